@@ -1,0 +1,365 @@
+"""Numba kernels: pure functions on contiguous 1-D arrays, nothing else.
+
+Element types seen by the kernels (the Python layer makes these views):
+
+    float32, float64    as themselves
+    bfloat16            as uint16 bits;  float32 = bitcast(uint32(bits) << 16)
+    float16             as int16 bits;   converted by integer arithmetic
+                        (numba has no float16 on the CPU, and a distinct
+                        integer type lets one generic kernel dispatch on it)
+
+Values are accumulated in float64 for float64 input and in float32 otherwise.
+
+int8 wire format of one piece of ``n`` values cut into blocks of ``B``
+(the last block may be short), see docs/FORMAT.md:
+
+    scale[b] = float32(absmax_b / 127)        absmax over the finite values
+    code[i]  = clamp(rint(x[i] / scale[b]), -127, 127)      (half to even)
+    x'[i]    = code[i] * scale[b]
+
+An all-zero block has scale 0 and codes 0.  A non-finite value gets the
+reserved code -128; the sign bit of its block's scale says whether the
+block's non-finite values are all infinities of one sign (sign bit set,
+lowest mantissa bit 0 for +Inf, 1 for -Inf) or not (NaN on decode).
+
+The ``op`` argument is 0 for SUM, 1 for MAX, 2 for MIN.  Kernels that read
+and write a wire piece may be given the same piece twice (in place): each
+block is read completely into ``scratch`` before any of it is written.
+"""
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+OP_SUM, OP_MAX, OP_MIN = 0, 1, 2
+CODE_NONFINITE = -128
+_CACHE = dict(cache=True, nogil=True)
+
+
+# --- bit casts --------------------------------------------------------------
+
+def _make_bitcast(src_ty, dst_ty):
+    # numba widens integer arithmetic to 64 bits, so integer arguments of any
+    # width are first converted (truncated) to src_ty.
+    @intrinsic
+    def bitcast(typingctx, x):
+        if not (x == src_ty or (isinstance(src_ty, types.Integer)
+                                and isinstance(x, types.Integer))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], src_ty)
+            return builder.bitcast(v, context.get_value_type(dst_ty))
+        return dst_ty(x), codegen
+    return bitcast
+
+
+u32_as_f32 = _make_bitcast(types.uint32, types.float32)
+f32_as_u32 = _make_bitcast(types.float32, types.uint32)
+u64_as_f64 = _make_bitcast(types.uint64, types.float64)
+f64_as_u64 = _make_bitcast(types.float64, types.uint64)
+
+
+@njit(**_CACHE)
+def bf16_to_f32(h):
+    return u32_as_f32(np.uint32(h) << np.uint32(16))
+
+
+@njit(**_CACHE)
+def f32_to_bf16(f):
+    u = f32_as_u32(f)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))  # quiet NaN
+    u = u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(u >> np.uint32(16))
+
+
+@njit(**_CACHE)
+def f16_to_f32(h):
+    # Exact; after F. Giesen's half_to_float_fast.
+    h32 = np.uint32(np.uint16(h))
+    u = (h32 & np.uint32(0x7FFF)) << np.uint32(13)
+    exp = u & np.uint32(0x0F800000)
+    u = u + np.uint32(112 << 23)
+    if exp == np.uint32(0x0F800000):          # Inf or NaN
+        u = u + np.uint32(112 << 23)
+        f = u32_as_f32(u)
+    elif exp == np.uint32(0):                 # zero or subnormal
+        u = u + np.uint32(1 << 23)
+        f = u32_as_f32(u) - u32_as_f32(np.uint32(113 << 23))
+    else:
+        f = u32_as_f32(u)
+    return u32_as_f32(f32_as_u32(f) | ((h32 & np.uint32(0x8000)) << np.uint32(16)))
+
+
+@njit(**_CACHE)
+def f32_to_f16(f):
+    # Round to nearest even; after F. Giesen's float_to_half_fast3_rtne.
+    u = f32_as_u32(f)
+    sign = u & np.uint32(0x80000000)
+    u = u ^ sign
+    if u >= np.uint32((127 + 16) << 23):      # overflow, Inf or NaN
+        o = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    elif u < np.uint32(113 << 23):            # subnormal or zero result
+        magic = u32_as_f32(np.uint32(((127 - 15) + (23 - 10) + 1) << 23))
+        o = f32_as_u32(u32_as_f32(u) + magic) - f32_as_u32(magic)
+    else:
+        odd = (u >> np.uint32(13)) & np.uint32(1)
+        u = u + np.uint32(((15 - 127) << 23) + 0xFFF) + odd
+        o = u >> np.uint32(13)
+    return np.int16(np.uint16(o | (sign >> np.uint32(16))))
+
+
+# --- generic element access, resolved per array type at compile time --------
+
+def load(arr, i):
+    """arr[i] as the accumulation type."""
+
+
+@overload(load, jit_options=_CACHE)
+def _load(arr, i):
+    dt = arr.dtype
+    if dt == types.float32 or dt == types.float64:
+        return lambda arr, i: arr[i]
+    if dt == types.uint16:
+        return lambda arr, i: bf16_to_f32(arr[i])
+    if dt == types.int16:
+        return lambda arr, i: f16_to_f32(arr[i])
+
+
+def store(arr, i, v):
+    """arr[i] = v, rounded to nearest even in arr's type."""
+
+
+@overload(store, jit_options=_CACHE)
+def _store(arr, i, v):
+    dt = arr.dtype
+    if dt == types.float32 or dt == types.float64:
+        def impl(arr, i, v):
+            arr[i] = v
+    elif dt == types.uint16:
+        def impl(arr, i, v):
+            arr[i] = f32_to_bf16(np.float32(v))
+    elif dt == types.int16:
+        def impl(arr, i, v):
+            arr[i] = f32_to_f16(np.float32(v))
+    return impl
+
+
+def abs_bits(x):
+    """The IEEE bits of |x| as an unsigned integer of x's width."""
+
+
+@overload(abs_bits, jit_options=_CACHE)
+def _abs_bits(x):
+    if x == types.float32:
+        return lambda x: f32_as_u32(x) & np.uint32(0x7FFFFFFF)
+    if x == types.float64:
+        return lambda x: f64_as_u64(x) & np.uint64(0x7FFFFFFFFFFFFFFF)
+
+
+def from_abs_bits(u, like):
+    """Inverse of abs_bits; ``like`` (a value) only selects the type."""
+
+
+@overload(from_abs_bits, jit_options=_CACHE)
+def _from_abs_bits(u, like):
+    if like == types.float32:
+        return lambda u, like: u32_as_f32(np.uint32(u))
+    if like == types.float64:
+        return lambda u, like: u64_as_f64(np.uint64(u))
+
+
+def acc_zero(arr):
+    """0 in the accumulation type of arr's elements."""
+
+
+@overload(acc_zero, jit_options=_CACHE)
+def _acc_zero(arr):
+    if arr.dtype == types.float64:
+        return lambda arr: np.float64(0)
+    return lambda arr: np.float32(0)
+
+
+@njit(**_CACHE)
+def _reduce(op, a, b):
+    # Comparisons keep a NaN from either side, like numpy's maximum/minimum.
+    if op == OP_SUM:
+        return a + b
+    if a != a or b != b:
+        return a + b
+    if op == OP_MAX:
+        return a if a >= b else b
+    return a if a <= b else b
+
+
+# --- int8 block format --------------------------------------------------------
+
+@njit(**_CACHE)
+def _emit_block(acc, m, scales, b, codes, lo):
+    """Quantize acc[:m] into scales[b] and codes[lo:lo+m]."""
+    zero = acc_zero(acc)
+    inf_u = abs_bits(zero + np.inf)
+    amax_u = abs_bits(zero)
+    nonfinite = 0
+    # Integer max over the magnitude bits vectorizes and skips Inf/NaN.
+    for j in range(m):
+        u = abs_bits(acc[j])
+        finite = u < inf_u
+        nonfinite += not finite
+        amax_u = max(amax_u, u if finite else amax_u)
+    amax = from_abs_bits(amax_u, zero)
+    scale = np.float32(amax / 127)
+    if scale == 0 and amax > 0:
+        scale = np.float32(1e-45)   # smallest subnormal; tiny f64 blocks
+    if nonfinite:
+        scale = _flag_scale(acc, m, scale)
+    scales[b] = scale
+    s = zero + abs(scale)
+    if s == 0:
+        for j in range(m):
+            codes[lo + j] = 0
+    else:
+        lim = zero + 127
+        for j in range(m):
+            q = np.rint(acc[j] / s)
+            codes[lo + j] = np.int8(min(max(q, -lim), lim))
+    if nonfinite:
+        for j in range(m):
+            if not abs(acc[j]) < np.inf:
+                codes[lo + j] = CODE_NONFINITE
+
+
+@njit(**_CACHE)
+def _flag_scale(acc, m, scale):
+    """scale with the sign bit set (and bit 0 the sign) when every
+    non-finite value of the block is an infinity of one sign."""
+    kinds = 0                      # bit 0: +Inf, bit 1: -Inf, bit 2: NaN
+    for j in range(m):
+        v = acc[j]
+        if v != v:
+            kinds |= 4
+        elif v == np.inf:
+            kinds |= 1
+        elif v == -np.inf:
+            kinds |= 2
+    su = f32_as_u32(scale)
+    if kinds == 1:
+        su = (su & np.uint32(0xFFFFFFFE)) | np.uint32(0x80000000)
+    elif kinds == 2:
+        su = su | np.uint32(0x80000001)
+    return u32_as_f32(su)
+
+
+@njit(**_CACHE)
+def _decode_block(scales, b, codes, lo, m, acc):
+    """acc[:m] = dequantized codes[lo:lo+m]."""
+    scale = scales[b]
+    su = f32_as_u32(scale)
+    if su & np.uint32(0x80000000):
+        special = -np.inf if su & np.uint32(1) else np.inf
+    else:
+        special = np.nan
+    zero = acc_zero(acc)
+    s = zero + abs(scale)
+    sp = zero + special
+    for j in range(m):
+        c = codes[lo + j]
+        acc[j] = sp if c == CODE_NONFINITE else c * s
+
+
+@njit(**_CACHE)
+def i8_encode(src, scales, codes, block, scratch):
+    """(scales, codes) = quantize(src)."""
+    n = src.size
+    nb = (n + block - 1) // block
+    for b in range(nb):
+        lo = b * block
+        m = min(block, n - lo)
+        for j in range(m):
+            scratch[j] = load(src, lo + j)
+        _emit_block(scratch, m, scales, b, codes, lo)
+
+
+@njit(**_CACHE)
+def i8_decode(scales, codes, out, block, scratch):
+    """out = dequantize(scales, codes)."""
+    n = out.size
+    nb = (n + block - 1) // block
+    for b in range(nb):
+        lo = b * block
+        m = min(block, n - lo)
+        _decode_block(scales, b, codes, lo, m, scratch)
+        for j in range(m):
+            store(out, lo + j, scratch[j])
+
+
+@njit(**_CACHE)
+def i8_decode_reduce(own, scales, codes, out, block, op, scratch):
+    """out = own (op) dequantize(scales, codes); out may be own."""
+    n = own.size
+    nb = (n + block - 1) // block
+    for b in range(nb):
+        lo = b * block
+        m = min(block, n - lo)
+        _decode_block(scales, b, codes, lo, m, scratch)
+        if op == OP_SUM:
+            for j in range(m):
+                store(out, lo + j, load(own, lo + j) + scratch[j])
+        else:
+            for j in range(m):
+                store(out, lo + j, _reduce(op, load(own, lo + j), scratch[j]))
+
+
+@njit(**_CACHE)
+def i8_decode_reduce_encode(own, scales_in, codes_in, scales_out, codes_out,
+                            block, op, scratch):
+    """(scales_out, codes_out) = quantize(own (op) dequantize(scales_in, codes_in)).
+
+    The fused ring hop: one pass per block, in place allowed."""
+    n = own.size
+    nb = (n + block - 1) // block
+    for b in range(nb):
+        lo = b * block
+        m = min(block, n - lo)
+        _decode_block(scales_in, b, codes_in, lo, m, scratch)
+        if op == OP_SUM:
+            for j in range(m):
+                scratch[j] = load(own, lo + j) + scratch[j]
+        else:
+            for j in range(m):
+                scratch[j] = _reduce(op, load(own, lo + j), scratch[j])
+        _emit_block(scratch, m, scales_out, b, codes_out, lo)
+
+
+# --- uncompressed wire formats (bfloat16 bits as uint16, or float32) --------
+
+@njit(**_CACHE)
+def plain_encode(src, wire):
+    for i in range(src.size):
+        store(wire, i, load(src, i))
+
+
+@njit(**_CACHE)
+def plain_decode(wire, out):
+    for i in range(out.size):
+        store(out, i, load(wire, i))
+
+
+@njit(**_CACHE)
+def plain_decode_reduce(own, wire, out, op):
+    if op == OP_SUM:
+        for i in range(own.size):
+            store(out, i, load(own, i) + load(wire, i))
+    else:
+        for i in range(own.size):
+            store(out, i, _reduce(op, load(own, i), load(wire, i)))
+
+
+@njit(**_CACHE)
+def plain_decode_reduce_encode(own, wire_in, wire_out, op):
+    if op == OP_SUM:
+        for i in range(own.size):
+            store(wire_out, i, load(own, i) + load(wire_in, i))
+    else:
+        for i in range(own.size):
+            store(wire_out, i, _reduce(op, load(own, i), load(wire_in, i)))

@@ -1,0 +1,148 @@
+"""The pipelined ring: reduce-scatter then all-gather, on any wire format.
+
+Rank r owns shard r.  Reduce-scatter step k (k = 0..P-2): send the partial
+sum of shard (r-k-1) to the right neighbour, receive shard (r-k-2) from the
+left, reduce our own values into it and requantize it for the next step.
+After the last step rank r holds shard r fully reduced; it quantizes it once
+and the all-gather forwards those bytes unchanged around the ring, so every
+rank (the owner included) decodes identical bytes into identical results.
+
+Every shard is cut into block-aligned pieces, each its own message: the
+kernel of one piece runs while the next is on the wire, and a piece is
+forwarded as soon as it is reduced (chunks of consecutive steps overlap).
+All receives are posted up front into their own workspace slots.  Each link
+carries messages in one order on both sides, so one tag suffices (MPI's
+non-overtaking rule matches them in order).
+"""
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+TAG = 7
+
+
+class Piece:
+    """Elements [lo, hi) of the caller's array, and the workspace bytes
+    (``buf``) and kernel views (``w``) that carry them."""
+    __slots__ = ("lo", "hi", "buf", "w")
+
+    def __init__(self, lo, hi, buf, w):
+        self.lo, self.hi, self.buf, self.w = lo, hi, buf, w
+
+
+def split_blocks(length, block, pieces):
+    """[0, length) cut into at most ``pieces`` runs of whole blocks (the last
+    may end in a short block), as (lo, hi) pairs; none for length 0."""
+    nb = -(-length // block)
+    c = max(1, min(pieces, nb))
+    edges = [min(i * nb // c * block, length) for i in range(c + 1)]
+    return [(edges[i], edges[i + 1]) for i in range(c) if edges[i + 1] > edges[i]]
+
+
+class Plan:
+    """Where each piece of each shard lives, for one rank, one message shape
+    and one kind of operation.  Built once, reused by every call of that shape.
+
+    kind: "allreduce" (2P slots), "reduce_scatter" (P slots: step 0 and one
+    per receive step) or "allgather" (P slots, one per shard)."""
+
+    def __init__(self, kind, fmt, shards, rank, chunks, block, max_piece_bytes,
+                 workspace):
+        P = len(shards)
+        self.kind, self.P, self.rank = kind, P, rank
+        cuts = []
+        for off, length in shards:
+            want = max(chunks, -(-fmt.nbytes(length) // max_piece_bytes))
+            cuts.append([(off + lo, off + hi)
+                         for lo, hi in split_blocks(length, block, want)])
+        layout = []
+        for pieces in cuts:
+            offs, at = [], 0
+            for lo, hi in pieces:
+                offs.append(at)
+                at += fmt.nbytes(hi - lo)
+            layout.append((offs, at))
+        slot = max(total for _, total in layout)
+        nslots = {"allreduce": 2 * P, "reduce_scatter": P, "allgather": P}[kind]
+        self.workspace_bytes = nslots * slot
+        ws = workspace(self.workspace_bytes)
+
+        def pieces_in(k, s):
+            base = k * slot
+            out = []
+            for (lo, hi), b in zip(cuts[s], layout[s][0]):
+                nb = fmt.nbytes(hi - lo)
+                buf = ws[base + b:base + b + nb]
+                out.append(Piece(lo, hi, buf, fmt.views(buf, hi - lo)))
+            return out
+
+        r = rank
+        rs = kind in ("allreduce", "reduce_scatter")
+        ag_base = P if kind == "allreduce" else 0
+        self.rs_first = pieces_in(0, (r - 1) % P) if rs else []
+        self.rs_steps = [pieces_in(k + 1, (r - k - 2) % P)
+                         for k in range(P - 1)] if rs else []
+        ag = kind in ("allreduce", "allgather")
+        self.ag_own = pieces_in(ag_base + r, r) if ag else []
+        self.ag_steps = [pieces_in(ag_base + (r - k - 1) % P, (r - k - 1) % P)
+                         for k in range(P - 1)] if ag else []
+
+
+def _fail(comm, exc):
+    # Peers are inside the ring waiting for our messages: a local exception
+    # here cannot be turned into a collective one, so end the job loudly.
+    sys.stderr.write(f"equarx_mpi: rank {comm.Get_rank()} failed inside a "
+                     f"collective, aborting the job: {exc!r}\n")
+    sys.stderr.flush()
+    comm.Abort(1)
+
+
+def run(comm, plan, fmt, own, out, op, scratch, own_offset=0, out_offset=0):
+    """Execute ``plan``.  own is the read-only input and out the output (kernel
+    views); own[i] is global element i + own_offset, out[i] is i + out_offset."""
+    try:
+        _run(comm, plan, fmt, own, out, op, scratch, own_offset, out_offset)
+    except BaseException as exc:
+        _fail(comm, exc)
+        raise
+
+
+def _run(comm, plan, fmt, own, out, op, scratch, own_offset, out_offset):
+    P = plan.P
+    left, right = (plan.rank - 1) % P, (plan.rank + 1) % P
+    recvs = [comm.Irecv(p.buf, left, TAG)
+             for step in plan.rs_steps + plan.ag_steps for p in step]
+    sends = []
+    nxt = iter(recvs)
+    for p in plan.rs_first:
+        fmt.encode(own[p.lo:p.hi], p.w, scratch)
+        sends.append(comm.Isend(p.buf, right, TAG))
+    for k, step in enumerate(plan.rs_steps):
+        last = k == P - 2
+        for j, p in enumerate(step):
+            next(nxt).Wait()
+            mine = own[p.lo:p.hi]
+            if not last:
+                fmt.decode_reduce_encode(mine, p.w, p.w, op, scratch)
+                sends.append(comm.Isend(p.buf, right, TAG))
+            elif plan.kind == "reduce_scatter":
+                dst = out[p.lo - out_offset:p.hi - out_offset]
+                fmt.decode_reduce(mine, p.w, dst, op, scratch)
+            else:
+                q = plan.ag_own[j]
+                fmt.decode_reduce_encode(mine, p.w, q.w, op, scratch)
+                sends.append(comm.Isend(q.buf, right, TAG))
+                fmt.decode(q.w, out[q.lo:q.hi], scratch)
+    if plan.kind == "allgather":
+        for q in plan.ag_own:
+            fmt.encode(own[q.lo - own_offset:q.hi - own_offset], q.w, scratch)
+            sends.append(comm.Isend(q.buf, right, TAG))
+            fmt.decode(q.w, out[q.lo:q.hi], scratch)
+    for k, step in enumerate(plan.ag_steps):
+        for p in step:
+            next(nxt).Wait()
+            if k < P - 2:
+                sends.append(comm.Isend(p.buf, right, TAG))
+            fmt.decode(p.w, out[p.lo:p.hi], scratch)
+    MPI.Request.Waitall(sends)
