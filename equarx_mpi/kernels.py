@@ -169,15 +169,15 @@ def _from_abs_bits(u, like):
         return lambda u, like: u64_as_f64(np.uint64(u))
 
 
-def acc_zero(arr):
-    """0 in the accumulation type of arr's elements."""
+def as_acc(arr, v):
+    """v converted to the accumulation type of arr's elements."""
 
 
-@overload(acc_zero, jit_options=_CACHE)
-def _acc_zero(arr):
+@overload(as_acc, jit_options=_CACHE)
+def _as_acc(arr, v):
     if arr.dtype == types.float64:
-        return lambda arr: np.float64(0)
-    return lambda arr: np.float32(0)
+        return lambda arr, v: np.float64(v)
+    return lambda arr, v: np.float32(v)
 
 
 @njit(**_CACHE)
@@ -197,8 +197,8 @@ def _reduce(op, a, b):
 @njit(**_CACHE)
 def _emit_block(acc, m, scales, b, codes, lo):
     """Quantize acc[:m] into scales[b] and codes[lo:lo+m]."""
-    zero = acc_zero(acc)
-    inf_u = abs_bits(zero + np.inf)
+    zero = as_acc(acc, 0)
+    inf_u = abs_bits(as_acc(acc, np.inf))
     amax_u = abs_bits(zero)
     nonfinite = 0
     # Integer max over the magnitude bits vectorizes and skips Inf/NaN.
@@ -214,12 +214,12 @@ def _emit_block(acc, m, scales, b, codes, lo):
     if nonfinite:
         scale = _flag_scale(acc, m, scale)
     scales[b] = scale
-    s = zero + abs(scale)
+    s = as_acc(acc, abs(scale))
     if s == 0:
         for j in range(m):
             codes[lo + j] = 0
     else:
-        lim = zero + 127
+        lim = as_acc(acc, 127)
         for j in range(m):
             q = np.rint(acc[j] / s)
             codes[lo + j] = np.int8(min(max(q, -lim), lim))
@@ -259,9 +259,8 @@ def _decode_block(scales, b, codes, lo, m, acc):
         special = -np.inf if su & np.uint32(1) else np.inf
     else:
         special = np.nan
-    zero = acc_zero(acc)
-    s = zero + abs(scale)
-    sp = zero + special
+    s = as_acc(acc, abs(scale))
+    sp = as_acc(acc, special)
     for j in range(m):
         c = codes[lo + j]
         acc[j] = sp if c == CODE_NONFINITE else c * s

@@ -1,0 +1,98 @@
+"""Plain numpy reference of the int8 wire format (docs/FORMAT.md) and of the
+ring schedule, written from the spec and independent of the numba kernels."""
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+NONFINITE = -128
+
+
+def acc_dtype(dtype):
+    return np.float64 if np.dtype(dtype) == np.float64 else np.float32
+
+
+def to_acc(x):
+    return np.asarray(x).reshape(-1).astype(acc_dtype(np.asarray(x).dtype))
+
+
+def quantize(v, block):
+    """v: 1-D float32/float64 values (already in the accumulation type)."""
+    v = np.asarray(v)
+    n = v.size
+    nb = -(-n // block)
+    scales = np.zeros(nb, np.float32)
+    codes = np.zeros(n, np.int8)
+    for b in range(nb):
+        blk = v[b * block:(b + 1) * block]
+        finite = np.isfinite(blk)
+        amax = np.abs(blk[finite]).max() if finite.any() else blk.dtype.type(0)
+        scale = np.float32(np.float64(amax) / 127.0)
+        if scale == 0 and amax > 0:
+            scale = np.float32(1e-45)
+        if not finite.all():
+            bad = blk[~finite]
+            su = scale.view(np.uint32)
+            if np.all(bad == np.inf):
+                su = (su & np.uint32(0xFFFFFFFE)) | np.uint32(0x80000000)
+            elif np.all(bad == -np.inf):
+                su = su | np.uint32(0x80000001)
+            scale = np.uint32(su).view(np.float32)
+        scales[b] = scale
+        s = blk.dtype.type(abs(scale))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            q = np.zeros(blk.size) if s == 0 else np.clip(np.rint(blk / s), -127, 127)
+        q = np.where(finite, q, NONFINITE)
+        codes[b * block:(b + 1) * block] = q.astype(np.int8)
+    return scales, codes
+
+
+def dequantize(scales, codes, block, dtype=np.float32):
+    """Values in the accumulation type of ``dtype``."""
+    acc = acc_dtype(dtype)
+    out = np.empty(codes.size, acc)
+    for b in range(scales.size):
+        sc = scales[b]
+        su = int(sc.view(np.uint32))
+        special = (-np.inf if su & 1 else np.inf) if su & 0x80000000 else np.nan
+        c = codes[b * block:(b + 1) * block]
+        v = c.astype(acc) * acc(abs(sc))
+        out[b * block:(b + 1) * block] = np.where(c == NONFINITE, acc(special), v)
+    return out
+
+
+def reduce(op, a, b):
+    if op == "sum":
+        return a + b
+    with np.errstate(invalid="ignore"):
+        nan = np.isnan(a) | np.isnan(b)
+        pick = np.where(a >= b, a, b) if op == "max" else np.where(a <= b, a, b)
+        return np.where(nan, a + b, pick)
+
+
+def cast_out(acc_values, dtype):
+    return acc_values.astype(dtype)
+
+
+def ring_allreduce(inputs, block, op="sum"):
+    """What every rank of the int8 ring returns, for a list of per-rank
+    arrays: simulates the same shards, order and requantization."""
+    P = len(inputs)
+    dtype = inputs[0].dtype
+    own = [to_acc(x) for x in inputs]
+    n = own[0].size
+    if P == 1:
+        return inputs[0].copy()
+    nb = -(-n // block)
+    edges = [min(s * nb // P * block, n) for s in range(P + 1)]
+    sl = [slice(edges[s], edges[s + 1]) for s in range(P)]
+    result = np.empty(n, acc_dtype(dtype))
+    for s in range(P):
+        # shard s starts at rank s+1 and travels right, ending at rank s
+        first = (s + 1) % P
+        wire = quantize(own[first][sl[s]], block)
+        for hop in range(1, P):
+            r = (first + hop) % P
+            acc = reduce(op, own[r][sl[s]], dequantize(*wire, block, dtype))
+            wire = quantize(acc, block)
+        result[sl[s]] = dequantize(*wire, block, dtype)
+    return cast_out(result, dtype).reshape(inputs[0].shape)
