@@ -73,26 +73,43 @@ def cast_out(acc_values, dtype):
     return acc_values.astype(dtype)
 
 
-def ring_allreduce(inputs, block, op="sum"):
+def half_steps(scales, block, n):
+    """Per value, half the quantization step its block used."""
+    return np.repeat(np.abs(scales.astype(np.float64)) / 2, block)[:n]
+
+
+def shard_edges(n, P, block):
+    nb = -(-n // block)
+    return [min(s * nb // P * block, n) for s in range(P + 1)]
+
+
+def ring_allreduce(inputs, block, op="sum", with_bound=False):
     """What every rank of the int8 ring returns, for a list of per-rank
-    arrays: simulates the same shards, order and requantization."""
+    arrays: simulates the same shards, order and requantization.  With
+    with_bound, also the per-value error bound: half a step per quantization
+    along the value's path."""
     P = len(inputs)
     dtype = inputs[0].dtype
     own = [to_acc(x) for x in inputs]
     n = own[0].size
-    if P == 1:
-        return inputs[0].copy()
-    nb = -(-n // block)
-    edges = [min(s * nb // P * block, n) for s in range(P + 1)]
-    sl = [slice(edges[s], edges[s + 1]) for s in range(P)]
     result = np.empty(n, acc_dtype(dtype))
+    bound = np.zeros(n)
+    if P == 1:
+        result = inputs[0].copy()
+        return (result, bound) if with_bound else result
+    edges = shard_edges(n, P, block)
     for s in range(P):
+        sl = slice(edges[s], edges[s + 1])
+        m = edges[s + 1] - edges[s]
         # shard s starts at rank s+1 and travels right, ending at rank s
         first = (s + 1) % P
-        wire = quantize(own[first][sl[s]], block)
+        wire = quantize(own[first][sl], block)
+        bound[sl] += half_steps(wire[0], block, m)
         for hop in range(1, P):
             r = (first + hop) % P
-            acc = reduce(op, own[r][sl[s]], dequantize(*wire, block, dtype))
+            acc = reduce(op, own[r][sl], dequantize(*wire, block, dtype))
             wire = quantize(acc, block)
-        result[sl[s]] = dequantize(*wire, block, dtype)
-    return cast_out(result, dtype).reshape(inputs[0].shape)
+            bound[sl] += half_steps(wire[0], block, m)
+        result[sl] = dequantize(*wire, block, dtype)
+    result = cast_out(result, dtype).reshape(inputs[0].shape)
+    return (result, bound) if with_bound else result

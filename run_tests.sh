@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Installs what is missing (a venv with the project and its test and mpi
+# extras), then runs the serial tests and the MPI suites at 1, 2, 3, 4 and 8
+# ranks.  Every mpirun has a time limit, so a hang fails instead of stalling.
+# Exits non-zero on any failure.
+#   ./run_tests.sh                 everything
+#   RANKS="2 4" ./run_tests.sh     only those MPI sizes
+set -euo pipefail
+cd "$(dirname "$0")"
+ROOT=$PWD
+VENV=${EQUARX_VENV:-$ROOT/.venv}
+RANKS=${RANKS:-"1 2 3 4 8"}
+MPI_TIMEOUT=${MPI_TIMEOUT:-1200}
+
+# --- install ---------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$VENV"
+fi
+PY=$VENV/bin/python
+if ! "$PY" - "$ROOT" <<'PYEOF' 2>/dev/null || [ ! -x "$VENV/bin/mpirun" ]
+import os, sys
+import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout
+assert os.path.dirname(os.path.dirname(os.path.abspath(equarx_mpi.__file__))) == sys.argv[1]
+PYEOF
+then
+    echo "# installing equarx_mpi[test,mpi] into $VENV"
+    "$VENV/bin/pip" install -q -e ".[test,mpi]"
+fi
+if command -v make >/dev/null && command -v cc >/dev/null; then
+    make -s -C native
+fi
+
+# --- environment for mpirun: root, 8 ranks on 2 cores ----------------------------
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+export OMPI_MCA_rmaps_base_oversubscribe=1
+export PYTHONDONTWRITEBYTECODE=1
+PYTEST=("$PY" -m pytest -p no:cacheprovider -q --timeout=600 -W error::pytest.PytestUnraisableExceptionWarning)
+
+# --- serial tests (also fills numba's cache before many ranks read it) -------------
+echo "# serial tests"
+"${PYTEST[@]}" -m "not mpi" tests
+
+# --- MPI suites ----------------------------------------------------------------
+LOGS=$(mktemp -d)
+trap 'rm -rf "$LOGS"' EXIT
+status=0
+for n in $RANKS; do
+    echo "# MPI tests at $n rank(s)"
+    rc=0
+    timeout --kill-after=30 "$MPI_TIMEOUT" "$VENV/bin/mpirun" -n "$n" \
+        sh -c 'exec "$@" > "$0/rank${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}.log" 2>&1' \
+        "$LOGS" "${PYTEST[@]}" --with-mpi -m mpi tests || rc=$?
+    tail -n 3 "$LOGS/rank0.log"
+    if [ "$rc" -ne 0 ]; then
+        [ "$rc" -eq 124 ] && echo "# TIMEOUT: the $n-rank suite ran past ${MPI_TIMEOUT}s"
+        for f in "$LOGS"/rank*.log; do echo "===== $f"; tail -n 80 "$f"; done
+        echo "# FAILED: MPI tests at $n rank(s) (exit $rc)"
+        status=1
+    fi
+    rm -f "$LOGS"/rank*.log
+done
+exit $status
