@@ -1,6 +1,9 @@
 """The public edge: QuantizedComm, argument checks agreed across ranks, the
 choice between the quantized ring and exact MPI, and the one-call helper."""
 import collections
+import functools
+import os
+import sys
 import zlib
 
 import numpy as np
@@ -65,7 +68,10 @@ def _acc_dtype(dtype):
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
+@functools.lru_cache(maxsize=64)
 def _dtype_key(dt):
+    # A stable integer for comparing dtypes across ranks (bfloat16 and
+    # float16 share dtype.str "<V2"-like codes in some numpy versions).
     return zlib.crc32(dt.str.encode() + str(dt).encode())
 
 
@@ -121,6 +127,8 @@ class QuantizedComm:
         self.check = check
         self.max_message_bytes = max_message_bytes
         self.format = formats.make_format(bits, block_size)
+        if os.environ.get("EQUARX_MPI_ABORT_ON_EXCEPTION", "1") != "0":
+            abort_on_exception()
         self._comm = comm.Dup()
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         self._compile_first = local.Get_rank() == 0
@@ -441,6 +449,26 @@ def _warm(fmt, kdtype, block):
     fmt.decode(w, out, scratch)
     fmt.decode_reduce(src, w, out, K.OP_SUM, scratch)
     fmt.decode_reduce_encode(src, w, w, K.OP_SUM, scratch)
+
+
+def abort_on_exception():
+    """Make an uncaught exception on any rank print its traceback and end the
+    whole MPI job (``COMM_WORLD.Abort``), as ``python -m mpi4py`` does.
+
+    Without it, the other ranks wait in their next collective forever.
+    QuantizedComm installs it; EQUARX_MPI_ABORT_ON_EXCEPTION=0 opts out."""
+    if getattr(sys.excepthook, "_equarx_mpi", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        sys.stderr.write(f"equarx_mpi: uncaught exception on rank "
+                         f"{MPI.COMM_WORLD.Get_rank()}, aborting the MPI job\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    hook._equarx_mpi = True
+    sys.excepthook = hook
 
 
 # --- one call for scripts ----------------------------------------------------------

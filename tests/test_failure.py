@@ -1,0 +1,71 @@
+"""Failure behaviour: a job with a failing rank must end, not hang.
+
+Serial pytest; each case starts its own small mpirun with a time limit.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+LIMIT = 90
+
+PRELUDE = """
+import os, sys, time
+import numpy as np
+from mpi4py import MPI
+from equarx_mpi import QuantizedComm
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+qc = QuantizedComm(comm, min_quantized_bytes=0)
+x = np.ones(200000, np.float32)
+qc.allreduce(x)
+"""
+
+CASES = {
+    "user code raises between calls": (
+        "if rank == 1:\n    raise RuntimeError('boom in user code')\nqc.allreduce(x)\n",
+        "boom in user code"),
+    "the library fails inside the ring": (
+        "if rank == 1:\n"
+        "    def broken(*a):\n        raise MemoryError('boom in kernel')\n"
+        "    qc.format.decode_reduce_encode = broken\n"
+        "qc.allreduce(x)\n",
+        "failed inside a collective"),
+    "a rank dies mid-call": (
+        "if rank == 1:\n    os.kill(os.getpid(), 9)\nqc.allreduce(x)\n",
+        ""),
+}
+
+
+@pytest.fixture(scope="module")
+def env():
+    e = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+             PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+    return e
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_job_ends_instead_of_hanging(case, env, tmp_path):
+    body, text = CASES[case]
+    script = tmp_path / "job.py"
+    script.write_text(PRELUDE + textwrap.dedent(body) + "print('rank', rank, 'finished')\n")
+    t0 = time.monotonic()
+    p = subprocess.Popen([MPIRUN, "-n", "3", sys.executable, str(script)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"job hung for {LIMIT}s:\n{out[-3000:]}")
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0, out
+    assert text in out, out[-3000:]
+    assert "rank 0 finished" not in out
+    print(f"{case}: ended in {elapsed:.1f}s with exit {p.returncode}")

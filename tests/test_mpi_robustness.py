@@ -1,0 +1,289 @@
+"""Bad input, non-finite values, isolation, memory and soak, under MPI.
+
+    mpirun -n 4 python -m pytest --with-mpi tests/test_mpi_robustness.py
+
+Tests that need two ranks are marked min_size=2 (pytest-mpi reports them as
+skipped, with that reason, at one rank).
+"""
+import resource
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from equarx_mpi import QuantizedComm
+
+from reference import BF16, ring_allreduce
+
+pytestmark = pytest.mark.mpi(min_size=1)
+WORLD = MPI.COMM_WORLD
+F32MAX = float(np.finfo(np.float32).max)
+
+
+def everywhere(ok, what, comm=WORLD):
+    bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
+    assert not bad, f"{what} failed on ranks {bad}"
+
+
+def raises_everywhere(exc_type, fn, match=None):
+    """fn() must raise exc_type on every rank, with the same message."""
+    try:
+        fn()
+        got = None
+    except Exception as e:          # noqa: BLE001 - compared below
+        got = (type(e).__name__, str(e))
+    everyone = WORLD.allgather(got)
+    assert all(g is not None and g[0] == exc_type.__name__ for g in everyone), everyone
+    assert len({g[1] for g in everyone}) == 1, f"messages differ: {everyone}"
+    if match:
+        assert match in everyone[0][1], everyone[0][1]
+    return everyone[0][1]
+
+
+@pytest.fixture
+def qc():
+    q = QuantizedComm(WORLD, min_quantized_bytes=0)
+    yield q
+    q.free()
+
+
+# --- collective validation -------------------------------------------------------
+
+@pytest.mark.mpi(min_size=2)
+def test_count_mismatch_raises_on_every_rank(qc):
+    n = 1000 + (WORLD.Get_rank() == 1)
+    x = np.ones(n, np.float32)
+    msg = raises_everywhere(ValueError, lambda: qc.Allreduce(x, np.empty_like(x)), "count")
+    assert "rank 0: 1000" in msg and "rank 1: 1001" in msg
+    everywhere((qc.allreduce(np.ones(10, np.float32)) == WORLD.Get_size()).all(),
+               "usable after the error")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dtype_and_op_mismatch_raise_on_every_rank(qc):
+    dt = np.float64 if WORLD.Get_rank() == 1 else np.float32
+    x = np.ones(100, dt)
+    raises_everywhere(ValueError, lambda: qc.Allreduce(x, np.empty_like(x)), "dtype")
+    x = np.ones(100, np.float32)
+    op = MPI.MAX if WORLD.Get_rank() == 1 else MPI.SUM
+    raises_everywhere(ValueError, lambda: qc.Allreduce(x, np.empty_like(x), op), "op")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_on_one_rank_is_raised_on_all(qc):
+    x = np.ones(100, np.float32)
+    out = np.empty_like(x)
+    if WORLD.Get_rank() == 1:
+        out.flags.writeable = False
+    msg = raises_everywhere(ValueError, lambda: qc.Allreduce(x, out), "read-only")
+    assert msg.startswith("equarx_mpi: rank 1:")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_option_mismatch_raises_on_every_rank():
+    b = 512 if WORLD.Get_rank() == 1 else 256
+    raises_everywhere(ValueError, lambda: QuantizedComm(WORLD, block_size=b), "block_size")
+
+
+@pytest.mark.parametrize("opts,text", [(dict(block_size=100), "power of two"),
+                                       (dict(block_size=8192), "power of two"),
+                                       (dict(bits=4), "bits"),
+                                       (dict(algorithm="tree"), "algorithm"),
+                                       (dict(chunks=0), "chunks"),
+                                       (dict(min_quantized_bytes=-1), "min_quantized_bytes")])
+def test_bad_options(opts, text):
+    raises_everywhere(ValueError, lambda: QuantizedComm(WORLD, **opts), text)
+
+
+def test_unknown_option_is_type_error():
+    with pytest.raises(TypeError):
+        QuantizedComm(WORLD, blocksize=256)
+
+
+# --- local validation, raised collectively -------------------------------------------
+
+def test_bad_buffers(qc):
+    x = np.ones(1000, np.float32)
+    cases = [
+        (ValueError, lambda: qc.Allreduce(np.ones(2000, np.float32)[::2], np.empty(1000, np.float32)),
+         "C-contiguous"),
+        (ValueError, lambda: qc.Allreduce(x, np.empty(999, np.float32)), "needs 1000"),
+        (TypeError, lambda: qc.Allreduce(x, np.empty(1000, np.float64)), "dtype"),
+        (TypeError, lambda: qc.Allreduce(x.astype(object), np.empty(1000, object)), "unsupported"),
+        (TypeError, lambda: qc.Allreduce(x.astype("U3"), np.empty(1000, "U3")), "unsupported"),
+        (TypeError, lambda: qc.Allreduce(list(x), np.empty(1000, np.float32)), "numpy array"),
+        (TypeError, lambda: qc.Allreduce(x, None), "numpy array"),
+    ]
+    for exc, fn, text in cases:
+        raises_everywhere(exc, fn, text)
+    buf = np.ones(1500, np.float32)
+    raises_everywhere(ValueError, lambda: qc.Allreduce(buf[:1000], buf[500:]), "overlap")
+
+
+def test_read_only_sendbuf_works(qc):
+    x = np.full(5000, 2.0, np.float32)
+    x.flags.writeable = False
+    out = np.empty_like(x)
+    qc.Allreduce(x, out)
+    everywhere((out == 2.0 * WORLD.Get_size()).all(), "read-only sendbuf")
+
+
+def test_freed_comm_raises(qc):
+    q = QuantizedComm(WORLD)
+    q.free()
+    q.free()                         # idempotent
+    raises_everywhere(ValueError, lambda: q.Allreduce(np.ones(4, np.float32),
+                                                      np.empty(4, np.float32)), "freed")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_intercommunicator_is_rejected():
+    r = WORLD.Get_rank()
+    local = WORLD.Split(r % 2, r)
+    inter = local.Create_intercomm(0, WORLD, 1 - r % 2, tag=77)
+    try:
+        raises_everywhere(TypeError, lambda: QuantizedComm(inter), "inter-communicator")
+    finally:
+        inter.Free()
+        local.Free()
+
+
+def test_not_a_communicator():
+    raises_everywhere(TypeError, lambda: QuantizedComm("world"), "MPI.Comm")
+
+
+# --- non-finite and extreme values -----------------------------------------------------
+
+def test_nan_poisons_only_its_element(qc):
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    x = np.random.default_rng(r).standard_normal(3000).astype(np.float32)
+    x[17] = 0.0
+    clean = qc.allreduce(x)
+    if r == P - 1:
+        x[17] = np.nan
+    dirty = qc.allreduce(x)
+    others = np.arange(x.size) != 17
+    everywhere(np.isnan(dirty[17]), "NaN stays NaN")
+    everywhere(np.array_equal(dirty[others], clean[others]), "every other value unaffected")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16],
+                         ids=lambda d: np.dtype(d).name)
+def test_infinities_keep_their_sign(qc, dtype):
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    x = np.ones(2000, dtype)
+    if r == 0:
+        x[5], x[600], x[1500] = np.inf, -np.inf, np.inf
+    if r == P - 1:
+        x[1500] = -np.inf if P > 1 else np.inf
+    got = qc.allreduce(x).astype(np.float64)
+    everywhere(got[5] == np.inf and got[600] == -np.inf, "signs of infinities")
+    everywhere(np.isnan(got[1500]) if P > 1 else got[1500] == np.inf, "Inf + -Inf is NaN")
+    finite = np.isfinite(got)
+    everywhere(finite.sum() == 1997 and np.allclose(got[finite], P, rtol=0.02), "rest finite")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overflowing_sum_gives_inf_like_mpi(qc):
+    x = np.zeros(1000, np.float32)
+    x[3] = 0.9 * F32MAX
+    x[4] = -0.9 * F32MAX
+    got = qc.allreduce(x)
+    want = np.empty_like(x)
+    with np.errstate(over="ignore"):
+        WORLD.Allreduce(x, want)
+    everywhere(got[3] == np.inf and got[4] == -np.inf and want[3] == np.inf, "overflow to Inf")
+    everywhere((got[5:] == 0).all(), "zeros stay zero")
+
+
+def test_extreme_magnitudes(qc):
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    rng = np.random.default_rng(r)
+    x = rng.standard_normal(4096).astype(np.float32)
+    x[:256] = 0                                            # all-zero block
+    x[256:512] = rng.standard_normal(256) * 1e-41          # subnormal block
+    x[512:768] = rng.uniform(-1, 1, 256) * F32MAX / (2 * P)   # near max, no overflow
+    x[1000] = 1e30                                         # one huge outlier
+    xs = WORLD.allgather(x)
+    got = qc.allreduce(x)
+    ref, bound = ring_allreduce(xs, 256, with_bound=True)
+    exact = np.sum([v.astype(np.float64) for v in xs], axis=0)
+    everywhere(got.tobytes() == ref.tobytes(), "equal to the ring simulation")
+    everywhere((got[:256] == 0).all(), "zero block exact")
+    everywhere(np.isfinite(got).all(), "no spurious Inf/NaN")
+    err = np.abs(got.astype(np.float64) - exact)
+    everywhere((err <= bound * (1 + 1e-5) + np.abs(exact) * 1e-6 + 1e-44).all(),
+               "half-step bound everywhere")
+    outside = np.r_[0:768, 1024:4096]
+    base = ring_allreduce([np.where(np.arange(4096) == 1000, 0, v).astype(np.float32) for v in xs], 256)
+    everywhere(np.array_equal(got[outside], base[outside]), "the outlier only touches its block")
+
+
+# --- isolation -------------------------------------------------------------------------
+
+@pytest.mark.mpi(min_size=2)
+def test_library_traffic_never_matches_user_receives():
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    box = np.full(4, -1, np.int64)
+    req = WORLD.Irecv(box, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+    with QuantizedComm(WORLD, min_quantized_bytes=0) as a, \
+            QuantizedComm(WORLD, min_quantized_bytes=0, bits=16) as b:
+        x = np.ones(50000, np.float32)
+        for _ in range(3):
+            ra, rb = a.allreduce(x), b.allreduce(x)
+            everywhere((ra == P).all() and (rb == P).all(), "results while user Irecv pending")
+        everywhere(not req.Test(), "user's Irecv still pending")
+        WORLD.Send(np.arange(4, dtype=np.int64) + 100 * r, dest=(r + 1) % P, tag=5)
+        status = MPI.Status()
+        req.Wait(status)
+        everywhere(status.Get_source() == (r - 1) % P and status.Get_tag() == 5
+                   and (box == np.arange(4) + 100 * ((r - 1) % P)).all(), "user message intact")
+
+
+# --- memory and soak ---------------------------------------------------------------------
+
+def _rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2 ** 20
+
+
+def test_workspace_bound_and_flat_rss(qc):
+    x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+    out = np.empty_like(x)
+    for _ in range(50):
+        qc.Allreduce(x, out)
+    everywhere(qc._ws.nbytes <= 0.6 * x.nbytes, f"workspace {qc._ws.nbytes} <= 0.6 x message")
+    before = _rss_mib()
+    for _ in range(2000):
+        qc.Allreduce(x[:1 << 16], out[:1 << 16])
+    for _ in range(20):
+        qc.Allreduce(x, out)
+    grown = _rss_mib() - before
+    everywhere(grown < 8, f"RSS grew {grown:.1f} MiB over 2,020 calls")
+
+
+def test_soak_mixed_calls_equal_the_same_call_alone():
+    rng = np.random.default_rng(1234)      # the same stream on every rank
+    r = WORLD.Get_rank()
+    configs = [(n, dt, inplace) for n in (1, 300, 5000, 40000)
+               for dt in (np.float32, np.float64, np.float16, BF16) for inplace in (False, True)]
+    data = {(n, dt): np.random.default_rng(n + r).standard_normal(n).astype(dt)
+            for n, dt, _ in configs}
+    alone = {}
+    for n, dt, inplace in configs:
+        with QuantizedComm(WORLD, min_quantized_bytes=0) as q:
+            alone[n, dt] = q.allreduce(data[n, dt]).tobytes()
+    before = _rss_mib()
+    bad = 0
+    with QuantizedComm(WORLD, min_quantized_bytes=0) as q:
+        for i in range(10000):
+            n, dt, inplace = configs[rng.integers(len(configs))]
+            if inplace:
+                y = data[n, dt].copy()
+                q.Allreduce(MPI.IN_PLACE, y)
+            else:
+                y = np.empty_like(data[n, dt])
+                q.Allreduce(data[n, dt], y)
+            bad += y.tobytes() != alone[n, dt]
+    everywhere(bad == 0, f"{bad} of 10,000 mixed calls differ from the call made alone")
+    everywhere(_rss_mib() - before < 16, "RSS flat over the soak")
