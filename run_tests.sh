@@ -5,6 +5,7 @@
 # Exits non-zero on any failure.
 #   ./run_tests.sh                 everything
 #   RANKS="2 4" ./run_tests.sh     only those MPI sizes
+#   LARGE=0 ./run_tests.sh         without the >2 GiB-per-rank AllReduce
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -50,7 +51,7 @@ for n in $RANKS; do
     rc=0
     timeout --kill-after=30 "$MPI_TIMEOUT" "$VENV/bin/mpirun" -n "$n" \
         sh -c 'exec "$@" > "$0/rank${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}.log" 2>&1' \
-        "$LOGS" "${PYTEST[@]}" --with-mpi -m mpi tests || rc=$?
+        "$LOGS" "${PYTEST[@]}" --with-mpi -m "mpi and not large" tests || rc=$?
     tail -n 3 "$LOGS/rank0.log"
     if [ "$rc" -ne 0 ]; then
         [ "$rc" -eq 124 ] && echo "# TIMEOUT: the $n-rank suite ran past ${MPI_TIMEOUT}s"
@@ -60,4 +61,19 @@ for n in $RANKS; do
     fi
     rm -f "$LOGS"/rank*.log
 done
+
+# --- one AllReduce above 2 GiB per rank (2 ranks, ~4 GiB of memory each) -------------
+if [ "${LARGE:-1}" = 1 ]; then
+    echo "# MPI test above 2 GiB per rank at 2 ranks"
+    rc=0
+    EQUARX_MPI_LARGE=1 timeout --kill-after=30 "$MPI_TIMEOUT" "$VENV/bin/mpirun" -n 2 \
+        sh -c 'exec "$@" > "$0/rank${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}.log" 2>&1' \
+        "$LOGS" "${PYTEST[@]}" --with-mpi -m large tests/test_mpi_large.py || rc=$?
+    tail -n 1 "$LOGS/rank0.log"
+    if [ "$rc" -ne 0 ]; then
+        for f in "$LOGS"/rank*.log; do echo "===== $f"; tail -n 60 "$f"; done
+        echo "# FAILED: large-message test (exit $rc)"
+        status=1
+    fi
+fi
 exit $status
