@@ -46,34 +46,31 @@ echo "# serial tests"
 LOGS=$(mktemp -d)
 trap 'rm -rf "$LOGS"' EXIT
 status=0
-for n in $RANKS; do
-    echo "# MPI tests at $n rank(s)"
-    rc=0
+
+# run_mpi N LABEL PYTEST-ARGS...: each rank logs to its own file; rank 0's
+# summary is shown, and every rank's log when the run fails or times out.
+run_mpi() {
+    local n=$1 label=$2 rc=0
+    shift 2
+    echo "# $label"
     timeout --kill-after=30 "$MPI_TIMEOUT" "$VENV/bin/mpirun" -n "$n" \
         sh -c 'exec "$@" > "$0/rank${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}.log" 2>&1' \
-        "$LOGS" "${PYTEST[@]}" --with-mpi -m "mpi and not large" tests || rc=$?
-    tail -n 3 "$LOGS/rank0.log"
+        "$LOGS" "${PYTEST[@]}" --with-mpi "$@" || rc=$?
+    tail -n 1 "$LOGS/rank0.log"
     if [ "$rc" -ne 0 ]; then
-        [ "$rc" -eq 124 ] && echo "# TIMEOUT: the $n-rank suite ran past ${MPI_TIMEOUT}s"
+        [ "$rc" -eq 124 ] && echo "# TIMEOUT: ran past ${MPI_TIMEOUT}s"
         for f in "$LOGS"/rank*.log; do echo "===== $f"; tail -n 80 "$f"; done
-        echo "# FAILED: MPI tests at $n rank(s) (exit $rc)"
+        echo "# FAILED: $label (exit $rc)"
         status=1
     fi
     rm -f "$LOGS"/rank*.log
-done
+}
 
-# --- one AllReduce above 2 GiB per rank (2 ranks, ~4 GiB of memory each) -------------
+for n in $RANKS; do
+    run_mpi "$n" "MPI tests at $n rank(s)" -m "mpi and not large" tests
+done
 if [ "${LARGE:-1}" = 1 ]; then
-    echo "# MPI test above 2 GiB per rank at 2 ranks"
-    rc=0
-    EQUARX_MPI_LARGE=1 timeout --kill-after=30 "$MPI_TIMEOUT" "$VENV/bin/mpirun" -n 2 \
-        sh -c 'exec "$@" > "$0/rank${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}.log" 2>&1' \
-        "$LOGS" "${PYTEST[@]}" --with-mpi -m large tests/test_mpi_large.py || rc=$?
-    tail -n 1 "$LOGS/rank0.log"
-    if [ "$rc" -ne 0 ]; then
-        for f in "$LOGS"/rank*.log; do echo "===== $f"; tail -n 60 "$f"; done
-        echo "# FAILED: large-message test (exit $rc)"
-        status=1
-    fi
+    EQUARX_MPI_LARGE=1 run_mpi 2 "AllReduce above 2 GiB per rank, 2 ranks" \
+        -m large tests/test_mpi_large.py
 fi
 exit $status

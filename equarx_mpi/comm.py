@@ -68,11 +68,14 @@ def _acc_dtype(dtype):
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
-@functools.lru_cache(maxsize=64)
-def _dtype_key(dt):
-    # A stable integer for comparing dtypes across ranks (bfloat16 and
-    # float16 share dtype.str "<V2"-like codes in some numpy versions).
-    return zlib.crc32(dt.str.encode() + str(dt).encode())
+@functools.lru_cache(maxsize=256)
+def _meta_key(name, value):
+    """A stable integer for comparing a call's value across ranks."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, np.dtype):   # dtype.str alone can't tell bfloat16 apart
+        value = value.str + str(value)
+    return zlib.crc32(f"{name}={value}".encode())
 
 
 def _is_power_of_two(x):
@@ -252,16 +255,18 @@ class QuantizedComm:
             if err is not None:
                 raise err
             return
-        fields = np.array([v for _, v, _ in meta], np.int64)
-        k = fields.size
-        a = np.empty(2 * k + 1, np.int64)
-        a[:k], a[k:2 * k], a[2 * k] = fields, -fields, err is not None
+        # One tiny MAX-Allreduce of (fields, -fields, error flag) tells every
+        # rank whether all agree; only then are the details gathered.
+        fields = [_meta_key(name, v) for name, v in meta]
+        a = np.array(fields + [-f for f in fields] + [err is not None], np.int64)
         self._comm.Allreduce(MPI.IN_PLACE, a, MPI.MAX)
-        if a[2 * k] == 0 and np.array_equal(a[:k], -a[k:2 * k]):
+        got = a.tolist()
+        k = len(fields)
+        if not got[-1] and got[:k] == [-f for f in got[k:2 * k]]:
             return
         everyone = self._comm.allgather(
             (None if err is None else (type(err).__name__, str(err)),
-             {name: text for name, _, text in meta}))
+             {name: str(v) for name, v in meta}))
         _raise_agreed(what, everyone)
 
     def _ensure_compiled(self, kdtype):
@@ -345,11 +350,10 @@ def _check_buffers(what, sendbuf, recvbuf, op, P):
     Reduce_scatter_block (recv = send / P) and Allgather (recv = P x send).
 
     Returns (send or None when in place, recv, meta, error): meta is a list
-    of (name, integer, text) that every rank must share; count is the whole
-    message (P*m values for the two halves)."""
+    of (name, value) that every rank must share; count is the whole message
+    (P*m values for the two halves)."""
     in_place = sendbuf is MPI.IN_PLACE
-    _, opkey, opname = _op_code(op)
-    meta = [("op", opkey, opname)]
+    meta = [("op", _op_code(op)[2])]
     try:
         if not isinstance(recvbuf, np.ndarray):
             raise TypeError(f"{what}: recvbuf must be a numpy array, not {type(recvbuf).__name__}")
@@ -388,11 +392,10 @@ def _check_buffers(what, sendbuf, recvbuf, op, P):
                              f"into {P} equal blocks")
         total = send.size if what == "Reduce_scatter_block" and send is not None else (
             recvbuf.size)
-        meta += [("count", int(total), str(total)), ("dtype", _dtype_key(dt), str(dt)),
-                 ("ndim", recvbuf.ndim, str(recvbuf.ndim))]
+        meta += [("count", int(total)), ("dtype", dt), ("ndim", recvbuf.ndim)]
         return send, recvbuf, meta, None
     except (TypeError, ValueError) as e:
-        meta += [("count", -1, "?"), ("dtype", -1, "?"), ("ndim", -1, "?")]
+        meta += [("count", "?"), ("dtype", "?"), ("ndim", "?")]
         return None, recvbuf, meta, e
 
 
