@@ -2,6 +2,7 @@
 choice between the quantized ring and exact MPI, and the one-call helper."""
 import collections
 import functools
+import math
 import os
 import sys
 import zlib
@@ -178,16 +179,17 @@ class QuantizedComm:
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """recvbuf = op over ranks of sendbuf.  ``MPI.IN_PLACE`` as sendbuf (or
         the same array twice) reduces recvbuf in place.  Returns None."""
-        send, recv, kop = self._begin("Allreduce", sendbuf, recvbuf, op)
-        if send is not None and self._comm.Get_size() == 1:
-            recv[...] = send.reshape(recv.shape)
-        if self._comm.Get_size() == 1:
+        send, recv, kop, quantized = self._begin("Allreduce", sendbuf, recvbuf, op)
+        P = self._comm.Get_size()
+        if P == 1:
+            if send is not None:
+                recv[...] = send.reshape(recv.shape)
             return
-        if not self._quantized(recv.dtype, kop, recv.size):
+        if not quantized:
             return _exact(self._comm, "Allreduce", send, recv, op)
         own = _kernel_view(recv if send is None else send, writable=False)
         out = _kernel_view(recv, writable=True)
-        P, n, B = self._comm.Get_size(), out.size, self.block_size
+        n, B = out.size, self.block_size
         nb = -(-n // B)
         edges = [min(s * nb // P * B, n) for s in range(P + 1)]
         shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
@@ -205,13 +207,13 @@ class QuantizedComm:
         (P*m values).  With ``MPI.IN_PLACE`` the input is recvbuf (P*m values)
         and the result goes to its first m.  The result is not requantized:
         it is the full-precision reduction of the quantized partial sums."""
-        send, recv, kop = self._begin("Reduce_scatter_block", sendbuf, recvbuf, op)
+        send, recv, kop, quantized = self._begin("Reduce_scatter_block", sendbuf, recvbuf, op)
         P, r = self._comm.Get_size(), self._comm.Get_rank()
         if P == 1:
             if send is not None:
                 recv[...] = send.reshape(recv.shape)
             return
-        if not self._quantized(recv.dtype, kop, recv.size * (P if send is not None else 1)):
+        if not quantized:
             return _exact(self._comm, "Reduce_scatter_block", send, recv, op)
         own = _kernel_view(recv if send is None else send, writable=False)
         m = own.size // P
@@ -223,13 +225,13 @@ class QuantizedComm:
         by their owner; the owner's own block is the dequantized form too, so
         recvbuf is identical on every rank.  ``MPI.IN_PLACE``: rank r's values
         are read from block r of recvbuf."""
-        send, recv, _ = self._begin("Allgather", sendbuf, recvbuf, MPI.REPLACE)
+        send, recv, _, quantized = self._begin("Allgather", sendbuf, recvbuf, None)
         P, r = self._comm.Get_size(), self._comm.Get_rank()
         if P == 1:
             if send is not None:
                 recv[...] = send.reshape(recv.shape)
             return
-        if not self._quantized(recv.dtype, K.OP_MAX, recv.size):
+        if not quantized:
             return _exact_gather(self._comm, send, recv)
         m = recv.size // P
         out = _kernel_view(recv, writable=True)
@@ -237,33 +239,41 @@ class QuantizedComm:
                else _kernel_view(send, writable=False))
         self._run("allgather", [(s * m, m) for s in range(P)], own, out, K.OP_MAX, r * m, 0)
 
+    # --- internals --------------------------------------------------------------
     def _begin(self, what, sendbuf, recvbuf, op):
-        """Checks every call starts with: local, then agreed across ranks."""
+        """What every call starts with: local checks, agreed across ranks, and
+        the choice between the quantized ring and exact MPI (op None: no
+        reduction, as in Allgather).  Returns (send or None for in place,
+        recv, kernel op, quantized)."""
         self._usable()
         send, recv, meta, err = _check_buffers(what, sendbuf, recvbuf, op,
                                                self._comm.Get_size())
-        self._agree(what, meta, err)
-        return send, recv, _op_code(op)[0]
+        kop = K.OP_MAX if op is None else _op_code(op)[0]
+        quantized = (err is None and kop is not None and recv.dtype in QUANTIZED_DTYPES
+                     and meta[1][1] * recv.dtype.itemsize >= self.min_quantized_bytes)
+        guard = self.check and quantized and recv.dtype == np.float64
+        exponent = _f64_exponent(recv if send is None else send) if guard else NO_EXPONENT
+        top = self._agree(what, meta, err, exponent)
+        if guard and not -F64_EXPONENT_LIMIT <= top <= F64_EXPONENT_LIMIT:
+            quantized = False            # beyond what float32 scales can carry
+        return send, recv, kop, quantized
 
-    # --- internals --------------------------------------------------------------
-    def _quantized(self, dtype, kop, count):
-        return (kop is not None and dtype in QUANTIZED_DTYPES
-                and count * dtype.itemsize >= self.min_quantized_bytes)
-
-    def _agree(self, what, meta, err):
+    def _agree(self, what, meta, err, exponent):
+        """Raise the same error on every rank unless all ranks made the same
+        call without local errors.  Returns the largest ``exponent``."""
         if not self.check or self._comm.Get_size() == 1:
             if err is not None:
                 raise err
-            return
-        # One tiny MAX-Allreduce of (fields, -fields, error flag) tells every
-        # rank whether all agree; only then are the details gathered.
+            return exponent
+        # One tiny MAX-Allreduce of (fields, -fields, error flag, exponent)
+        # tells every rank whether all agree; only then are details gathered.
         fields = [_meta_key(name, v) for name, v in meta]
-        a = np.array(fields + [-f for f in fields] + [err is not None], np.int64)
+        a = np.array(fields + [-f for f in fields] + [err is not None, exponent], np.int64)
         self._comm.Allreduce(MPI.IN_PLACE, a, MPI.MAX)
         got = a.tolist()
         k = len(fields)
-        if not got[-1] and got[:k] == [-f for f in got[k:2 * k]]:
-            return
+        if not got[-2] and got[:k] == [-f for f in got[k:2 * k]]:
+            return got[-1]
         everyone = self._comm.allgather(
             (None if err is None else (type(err).__name__, str(err)),
              {name: str(v) for name, v in meta}))
@@ -340,6 +350,21 @@ def _option_error(o):
     return None
 
 
+NO_EXPONENT = -(1 << 20)
+#: float64 data whose largest magnitude (over all ranks) is not within
+#: 2**+-100 takes exact MPI: float32 block scales cannot carry it faithfully.
+F64_EXPONENT_LIMIT = 100
+
+
+def _f64_exponent(x):
+    """Binary exponent e of the largest finite |x| (|x| < 2**e)."""
+    hi = max(float(x.max(initial=-np.inf)), -float(x.min(initial=np.inf)))
+    if not np.isfinite(hi):
+        finite = x[np.isfinite(x)]
+        hi = float(np.abs(finite).max(initial=0.0))
+    return math.frexp(hi)[1] if hi > 0 else NO_EXPONENT
+
+
 def _same_memory(a, b):
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
             and a.nbytes == b.nbytes)
@@ -353,7 +378,7 @@ def _check_buffers(what, sendbuf, recvbuf, op, P):
     of (name, value) that every rank must share; count is the whole message
     (P*m values for the two halves)."""
     in_place = sendbuf is MPI.IN_PLACE
-    meta = [("op", _op_code(op)[2])]
+    meta = [("op", "none" if op is None else _op_code(op)[2])]
     try:
         if not isinstance(recvbuf, np.ndarray):
             raise TypeError(f"{what}: recvbuf must be a numpy array, not {type(recvbuf).__name__}")

@@ -219,6 +219,21 @@ def test_extreme_magnitudes(qc):
     everywhere(np.array_equal(got[outside], base[outside]), "the outlier only touches its block")
 
 
+@pytest.mark.parametrize("magnitude", [1e45, 1e-45, 1e300])
+def test_float64_beyond_float32_scales_takes_exact_mpi(qc, magnitude):
+    r = WORLD.Get_rank()
+    x = np.random.default_rng(r).standard_normal(5000) * magnitude
+    got = qc.allreduce(x)
+    want = np.empty_like(x)
+    WORLD.Allreduce(x, want)
+    everywhere(got.tobytes() == want.tobytes(), f"float64 at {magnitude:g} is exact")
+    y = np.random.default_rng(r).standard_normal(5000) * 1e20      # in range: quantized
+    got = qc.allreduce(y)
+    exact = np.sum(WORLD.allgather(y), axis=0)
+    rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
+    everywhere(0 < rel < 0.03 or WORLD.Get_size() == 1, f"float64 at 1e20 quantized, {rel:.2%}")
+
+
 # --- isolation -------------------------------------------------------------------------
 
 @pytest.mark.mpi(min_size=2)
