@@ -152,7 +152,9 @@ def abs_bits(x):
 @overload(abs_bits, jit_options=_CACHE)
 def _abs_bits(x):
     if x == types.float32:
-        return lambda x: f32_as_u32(x) & np.uint32(0x7FFFFFFF)
+        # typed uint32 again: numba widens the & to 64 bits, and 64-bit
+        # lanes halve the vector width of the loops that take maxima
+        return lambda x: np.uint32(f32_as_u32(x) & np.uint32(0x7FFFFFFF))
     if x == types.float64:
         return lambda x: f64_as_u64(x) & np.uint64(0x7FFFFFFFFFFFFFFF)
 
@@ -193,40 +195,39 @@ def _reduce(op, a, b):
 
 
 # --- int8 block format --------------------------------------------------------
+#
+# Per block: one pass writes the values (in the accumulation type) to scratch
+# and takes the maximum of their magnitude bits; a second pass quantizes
+# scratch into the codes.  The rare cases (a reserved code in the input,
+# non-finite values, all-zero or tiny blocks) are decided once per block and
+# get loops of their own, so that the common loops are branch- and
+# select-free and LLVM vectorizes them well.  Other measured speed notes:
+#  - indices are cast to uint64: numba then skips the negative-index
+#    wraparound, which otherwise turns vector loads into gathers; slicing
+#    instead costs atomic reference-count updates on every block;
+#  - inner loops call no helper that returns a tuple: LLVM does not
+#    vectorize through those.
 
 @njit(**_CACHE)
-def _emit_block(acc, m, scales, b, codes, lo):
-    """Quantize acc[:m] into scales[b] and codes[lo:lo+m]."""
-    zero = as_acc(acc, 0)
+def _emit_block(acc, m, max_u, scales, b, codes, lo):
+    """Quantize acc[:m], whose largest magnitude bits are max_u, into
+    scales[b] and codes[lo:lo+m]."""
     inf_u = abs_bits(as_acc(acc, np.inf))
-    amax_u = abs_bits(zero)
-    nonfinite = 0
-    # Integer max over the magnitude bits vectorizes and skips Inf/NaN.
-    for j in range(m):
-        u = abs_bits(acc[j])
-        finite = u < inf_u
-        nonfinite += not finite
-        amax_u = max(amax_u, u if finite else amax_u)
-    amax = from_abs_bits(amax_u, zero)
+    finite = max_u < inf_u
+    if not finite:
+        max_u = inf_u - inf_u            # the absmax is over finite values
+        for j in range(m):
+            u = abs_bits(acc[j])
+            if u < inf_u and u > max_u:
+                max_u = u
+    amax = from_abs_bits(max_u, as_acc(acc, 0))
     scale = np.float32(amax / 127)
     if scale == 0 and amax > 0:
-        scale = np.float32(1e-45)   # smallest subnormal; tiny f64 blocks
-    if nonfinite:
+        scale = np.float32(1e-45)   # smallest subnormal; tiny blocks
+    if not finite:
         scale = _flag_scale(acc, m, scale)
     scales[b] = scale
-    s = as_acc(acc, abs(scale))
-    if s == 0:
-        for j in range(m):
-            codes[lo + j] = 0
-    else:
-        lim = as_acc(acc, 127)
-        for j in range(m):
-            q = np.rint(acc[j] / s)
-            codes[lo + j] = np.int8(min(max(q, -lim), lim))
-    if nonfinite:
-        for j in range(m):
-            if not abs(acc[j]) < np.inf:
-                codes[lo + j] = CODE_NONFINITE
+    _quantize(acc, m, scale, finite, codes, lo)
 
 
 @njit(**_CACHE)
@@ -250,20 +251,67 @@ def _flag_scale(acc, m, scale):
     return u32_as_f32(su)
 
 
+@njit(error_model="numpy", **_CACHE)
+def _quantize(acc, m, scale, finite, codes, lo):
+    """codes[lo:lo+m] = clamp(rint(acc[:m] / |scale|)), -128 where not finite.
+
+    With a normal finite scale no clamp is needed: the scale is absmax/127
+    rounded once to float32, so |acc/scale| <= 127 (1 + 2**-23) and rint
+    gives at most 127.  Other scales (subnormal, or infinite from a float64
+    absmax) clamp first, which equals clamping after since rint is monotone
+    and fixes +-127; written so that NaN clamps too.  The int8 conversion of
+    a non-finite lane is replaced by the select.  (error_model="numpy"
+    drops the division-by-zero check: the scale is not 0 there.)"""
+    s = as_acc(acc, abs(scale))
+    inf = as_acc(acc, np.inf)
+    nonfinite = np.int8(CODE_NONFINITE)
+    if s >= as_acc(acc, np.float32(1.1754944e-38)) and s < inf:
+        if finite:
+            for j in range(m):
+                codes[np.uint64(lo + j)] = np.int8(np.rint(acc[j] / s))
+        else:
+            for j in range(m):
+                x = acc[j]
+                c = np.int8(np.rint(x / s))
+                codes[np.uint64(lo + j)] = c if abs(x) < inf else nonfinite
+    elif s == 0:
+        for j in range(m):
+            codes[np.uint64(lo + j)] = np.int8(0) if abs(acc[j]) < inf else nonfinite
+    else:
+        lim = as_acc(acc, 127)
+        for j in range(m):
+            x = acc[j]
+            q = x / s
+            q = q if q > -lim else -lim
+            q = q if q < lim else lim
+            c = np.int8(np.rint(q))
+            codes[np.uint64(lo + j)] = c if abs(x) < inf else nonfinite
+
+
 @njit(**_CACHE)
-def _decode_block(scales, b, codes, lo, m, acc):
-    """acc[:m] = dequantized codes[lo:lo+m]."""
-    scale = scales[b]
+def _decoder(acc, scale):
+    """(|scale|, value of the reserved code) in acc's type."""
     su = f32_as_u32(scale)
     if su & np.uint32(0x80000000):
         special = -np.inf if su & np.uint32(1) else np.inf
     else:
         special = np.nan
-    s = as_acc(acc, abs(scale))
-    sp = as_acc(acc, special)
+    return as_acc(acc, abs(scale)), as_acc(acc, special)
+
+
+@njit(**_CACHE)
+def _has_reserved(codes, lo, m):
+    """Whether codes[lo:lo+m] holds the reserved code; a byte min vectorizes."""
+    cmin = np.int8(0)
     for j in range(m):
-        c = codes[lo + j]
-        acc[j] = sp if c == CODE_NONFINITE else c * s
+        cmin = min(cmin, codes[np.uint64(lo + j)])
+    return cmin == CODE_NONFINITE
+
+
+@njit(**_CACHE)
+def _dequant(c, s, sp):
+    d = c * s
+    return sp if c == CODE_NONFINITE else d
 
 
 @njit(**_CACHE)
@@ -274,9 +322,12 @@ def i8_encode(src, scales, codes, block, scratch):
     for b in range(nb):
         lo = b * block
         m = min(block, n - lo)
+        max_u = abs_bits(as_acc(scratch, 0))
         for j in range(m):
-            scratch[j] = load(src, lo + j)
-        _emit_block(scratch, m, scales, b, codes, lo)
+            v = load(src, np.uint64(lo + j))
+            scratch[j] = v
+            max_u = max(max_u, abs_bits(v))
+        _emit_block(scratch, m, max_u, scales, b, codes, lo)
 
 
 @njit(**_CACHE)
@@ -287,9 +338,15 @@ def i8_decode(scales, codes, out, block, scratch):
     for b in range(nb):
         lo = b * block
         m = min(block, n - lo)
-        _decode_block(scales, b, codes, lo, m, scratch)
-        for j in range(m):
-            store(out, lo + j, scratch[j])
+        s, sp = _decoder(scratch, scales[b])
+        if _has_reserved(codes, lo, m):
+            for j in range(m):
+                i = np.uint64(lo + j)
+                store(out, i, _dequant(codes[i], s, sp))
+        else:
+            for j in range(m):
+                i = np.uint64(lo + j)
+                store(out, i, codes[i] * s)
 
 
 @njit(**_CACHE)
@@ -300,13 +357,19 @@ def i8_decode_reduce(own, scales, codes, out, block, op, scratch):
     for b in range(nb):
         lo = b * block
         m = min(block, n - lo)
-        _decode_block(scales, b, codes, lo, m, scratch)
-        if op == OP_SUM:
+        s, sp = _decoder(scratch, scales[b])
+        if op != OP_SUM:
             for j in range(m):
-                store(out, lo + j, load(own, lo + j) + scratch[j])
+                i = np.uint64(lo + j)
+                store(out, i, _reduce(op, load(own, i), _dequant(codes[i], s, sp)))
+        elif _has_reserved(codes, lo, m):
+            for j in range(m):
+                i = np.uint64(lo + j)
+                store(out, i, load(own, i) + _dequant(codes[i], s, sp))
         else:
             for j in range(m):
-                store(out, lo + j, _reduce(op, load(own, lo + j), scratch[j]))
+                i = np.uint64(lo + j)
+                store(out, i, load(own, i) + codes[i] * s)
 
 
 @njit(**_CACHE)
@@ -320,14 +383,27 @@ def i8_decode_reduce_encode(own, scales_in, codes_in, scales_out, codes_out,
     for b in range(nb):
         lo = b * block
         m = min(block, n - lo)
-        _decode_block(scales_in, b, codes_in, lo, m, scratch)
-        if op == OP_SUM:
+        s, sp = _decoder(scratch, scales_in[b])
+        max_u = abs_bits(as_acc(scratch, 0))
+        if op != OP_SUM:
             for j in range(m):
-                scratch[j] = load(own, lo + j) + scratch[j]
+                i = np.uint64(lo + j)
+                v = _reduce(op, load(own, i), _dequant(codes_in[i], s, sp))
+                scratch[j] = v
+                max_u = max(max_u, abs_bits(v))
+        elif _has_reserved(codes_in, lo, m):
+            for j in range(m):
+                i = np.uint64(lo + j)
+                v = load(own, i) + _dequant(codes_in[i], s, sp)
+                scratch[j] = v
+                max_u = max(max_u, abs_bits(v))
         else:
             for j in range(m):
-                scratch[j] = _reduce(op, load(own, lo + j), scratch[j])
-        _emit_block(scratch, m, scales_out, b, codes_out, lo)
+                i = np.uint64(lo + j)
+                v = load(own, i) + codes_in[i] * s
+                scratch[j] = v
+                max_u = max(max_u, abs_bits(v))
+        _emit_block(scratch, m, max_u, scales_out, b, codes_out, lo)
 
 
 # --- uncompressed wire formats (bfloat16 bits as uint16, or float32) --------

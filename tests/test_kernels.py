@@ -41,6 +41,15 @@ def cases(dtype, rng):
     x = rng.standard_normal(256)
     x[5] = -np.inf
     yield "neg-inf", x
+    # exact half steps: scale 1, so rint's ties (to even) decide the codes
+    yield "halves", np.concatenate([np.arange(-127, 127) + 0.5, [127, -127]])
+    # many blocks whose float32 scale rounds down or up: the kernels skip the
+    # clamp for normal scales and must still never exceed +-127
+    yield "many-scales", (rng.uniform(-1, 1, 64 * 37)
+                          * np.repeat(10.0 ** rng.uniform(-3, 3, 64), 37))
+    x = np.full(300, float(info.max) * 0.9)
+    x[::7] *= -1
+    yield "overflowing-sum", x
 
 
 def scales_bits(s):

@@ -1,0 +1,140 @@
+"""The C reference (native/) and the numba kernels agree bit for bit.
+
+Serial: python -m pytest tests/test_native.py   (builds native/ with make)
+"""
+import numpy as np
+import pytest
+
+from equarx_mpi import kernels as K
+from equarx_mpi.kernelbench import Native
+
+F32 = np.finfo(np.float32)
+
+
+@pytest.fixture(scope="module")
+def native():
+    # Builds the library if needed; a failed build fails the tests, never skips.
+    return Native(build=True)
+
+
+def cases(rng):
+    """float32 inputs that stress the format."""
+    yield "normal", rng.standard_normal(1000)
+    yield "one", np.array([1.5])
+    yield "zeros", np.zeros(300)
+    yield "neg-zeros", -np.zeros(40)
+    yield "short-last-block", rng.standard_normal(4096 + 37)
+    yield "mixed-scale", (rng.standard_normal(64 * 37)
+                          * np.repeat(10.0 ** rng.uniform(-30, 30, 64), 37))
+    x = rng.standard_normal(512)
+    x[7] = 1e4
+    yield "outlier", x
+    yield "halves", np.concatenate([np.arange(-127, 127) + 0.5, [127, -127]])
+    yield "subnormal", np.full(40, float(F32.tiny) / 8)
+    yield "subnormal-scale", rng.standard_normal(300) * float(F32.tiny) * 4
+    yield "underflowing-scale", np.array([1e-44, -3e-45, 0.0] * 50)
+    yield "near-max", rng.uniform(-1, 1, 300) * float(F32.max)
+    x = rng.standard_normal(600)
+    x[[3, 300, 301]] = [np.inf, np.inf, -np.inf]
+    x[520] = np.nan
+    yield "nonfinite", x
+    x = rng.standard_normal(256)
+    x[5] = -np.inf
+    yield "neg-inf", x
+    x = rng.standard_normal(256)
+    x[[1, 9]] = np.inf
+    yield "pos-inf", x
+    yield "all-nonfinite", np.array([np.inf, -np.inf, np.nan, np.inf] * 16)
+    yield "inf-and-zeros", np.array([0.0, np.inf] * 20)
+    x = rng.standard_normal(700)
+    x[rng.integers(0, 700, 40)] = rng.choice([np.inf, -np.inf, np.nan], 40)
+    yield "random-nonfinite", x
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint32 if a.dtype == np.float32 else np.uint8)
+
+
+def encode(native, x, block):
+    nb = -(-x.size // block)
+    got = []
+    for run in (lambda s, c: K.i8_encode(x, s, c, block, np.empty(block, np.float32)),
+                lambda s, c: native.i8_encode(x, s, c, block)):
+        s, c = np.full(nb, 7, np.float32), np.full(x.size, 7, np.int8)
+        run(s, c)
+        got.append((s, c))
+    return got
+
+
+@pytest.mark.parametrize("block", [1, 7, 32, 256, 4096])
+def test_c_and_numba_agree(native, block):
+    rng = np.random.default_rng(11)
+    pairs = list(zip(cases(rng), cases(rng)))
+    for (name, a), (_, b) in pairs:
+        with np.errstate(over="ignore"):
+            own = a.astype(np.float32)
+            other = (b[::-1] * 0.75).astype(np.float32)
+        msg = f"{name}, block {block}"
+        (s_nb, c_nb), (s_c, c_c) = encode(native, own, block)
+        np.testing.assert_array_equal(bits(s_nb), bits(s_c), err_msg=msg)
+        np.testing.assert_array_equal(c_nb, c_c, err_msg=msg)
+
+        (si, ci), _ = encode(native, other, block)
+        scratch = np.empty(block, np.float32)
+        outs = []
+        for dec, red in ((lambda o: K.i8_decode(si, ci, o, block, scratch),
+                          lambda o: K.i8_decode_reduce(own, si, ci, o, block, K.OP_SUM,
+                                                       scratch)),
+                         (lambda o: native.i8_decode(si, ci, o, block),
+                          lambda o: native.i8_decode_reduce(own, si, ci, o, block))):
+            d, r = np.empty_like(own), np.empty_like(own)
+            dec(d)
+            red(r)
+            outs.append((d, r))
+        (d_nb, r_nb), (d_c, r_c) = outs
+        np.testing.assert_array_equal(bits(d_nb), bits(d_c), err_msg=msg)
+        np.testing.assert_array_equal(bits(r_nb), bits(r_c), err_msg=msg)
+
+        # the fused hop, in place as the ring uses it and out of place
+        res = []
+        for fused in (lambda *w: K.i8_decode_reduce_encode(own, *w, block, K.OP_SUM,
+                                                            scratch),
+                      lambda *w: native.i8_decode_reduce_encode(own, *w, block,
+                                                                scratch)):
+            so, co = si.copy(), ci.copy()
+            fused(so, co, so, co)
+            so2, co2 = np.empty_like(si), np.empty_like(ci)
+            fused(si, ci, so2, co2)
+            res.append((so, co, so2, co2))
+        for got_nb, got_c in zip(*res):
+            np.testing.assert_array_equal(bits(got_nb), bits(got_c), err_msg=msg)
+
+
+def test_reserved_code_in_wire_decodes_alike(native):
+    # A wire with -128 codes under every kind of scale flag: NaN, +Inf, -Inf.
+    codes = np.tile(np.array([-128, 5, -127, 127, 0, -128, 1, -1], np.int8), 3)
+    scales = np.array([0.5, 0.25, 2.0], np.float32)
+    su = scales.view(np.uint32)
+    su[1] = (su[1] & 0xFFFFFFFE) | 0x80000000       # +Inf
+    su[2] = su[2] | 0x80000001                      # -Inf
+    own = np.arange(codes.size, dtype=np.float32)
+    outs = []
+    for run in ((lambda o: K.i8_decode(scales, codes, o, 8, np.empty(8, np.float32)),
+                 lambda o: K.i8_decode_reduce(own, scales, codes, o, 8, K.OP_SUM,
+                                              np.empty(8, np.float32))),
+                (lambda o: native.i8_decode(scales, codes, o, 8),
+                 lambda o: native.i8_decode_reduce(own, scales, codes, o, 8))):
+        d, r = np.empty_like(own), np.empty_like(own)
+        run[0](d)
+        run[1](r)
+        outs.append((d, r))
+    np.testing.assert_array_equal(bits(outs[0][0]), bits(outs[1][0]))
+    np.testing.assert_array_equal(bits(outs[0][1]), bits(outs[1][1]))
+    assert np.isnan(outs[0][0][0]) and outs[0][0][8] == np.inf and outs[0][0][16] == -np.inf
+
+
+def test_copy(native):
+    x = np.random.default_rng(0).standard_normal(1001).astype(np.float32)
+    y = np.empty_like(x)
+    native.copy(x, y)
+    np.testing.assert_array_equal(bits(x), bits(y))
