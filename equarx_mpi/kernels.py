@@ -17,10 +17,10 @@ int8 wire format of one piece of ``n`` values cut into blocks of ``B``
     code[i]  = clamp(rint(x[i] / scale[b]), -127, 127)      (half to even)
     x'[i]    = code[i] * scale[b]
 
-An all-zero block has scale 0 and codes 0.  A non-finite value gets the
-reserved code -128; the sign bit of its block's scale says whether the
-block's non-finite values are all infinities of one sign (sign bit set,
-lowest mantissa bit 0 for +Inf, 1 for -Inf) or not (NaN on decode).
+An all-zero block has scale 0 and codes 0.  A block holding Inf or NaN is
+*flagged*: its scale has the sign bit set and is float32(absmax / 126), its
+finite values take codes in [-126, 126], and the codes 127, -127 and -128
+stand for +Inf, -Inf and NaN.  Unflagged blocks never contain -128.
 
 The ``op`` argument is 0 for SUM, 1 for MAX, 2 for MIN.  Kernels that read
 and write a wire piece may be given the same piece twice (in place): each
@@ -31,7 +31,8 @@ from numba import njit, types
 from numba.extending import intrinsic, overload
 
 OP_SUM, OP_MAX, OP_MIN = 0, 1, 2
-CODE_NONFINITE = -128
+# Codes with a meaning of their own in flagged blocks (scale sign bit set).
+CODE_POS_INF, CODE_NEG_INF, CODE_NAN = 127, -127, -128
 _CACHE = dict(cache=True, nogil=True)
 
 
@@ -221,97 +222,84 @@ def _emit_block(acc, m, max_u, scales, b, codes, lo):
             if u < inf_u and u > max_u:
                 max_u = u
     amax = from_abs_bits(max_u, as_acc(acc, 0))
-    scale = np.float32(amax / 127)
+    scale = np.float32(amax / (127 if finite else 126))
     if scale == 0 and amax > 0:
         scale = np.float32(1e-45)   # smallest subnormal; tiny blocks
-    if not finite:
-        scale = _flag_scale(acc, m, scale)
-    scales[b] = scale
-    _quantize(acc, m, scale, finite, codes, lo)
-
-
-@njit(**_CACHE)
-def _flag_scale(acc, m, scale):
-    """scale with the sign bit set (and bit 0 the sign) when every
-    non-finite value of the block is an infinity of one sign."""
-    kinds = 0                      # bit 0: +Inf, bit 1: -Inf, bit 2: NaN
-    for j in range(m):
-        v = acc[j]
-        if v != v:
-            kinds |= 4
-        elif v == np.inf:
-            kinds |= 1
-        elif v == -np.inf:
-            kinds |= 2
-    su = f32_as_u32(scale)
-    if kinds == 1:
-        su = (su & np.uint32(0xFFFFFFFE)) | np.uint32(0x80000000)
-    elif kinds == 2:
-        su = su | np.uint32(0x80000001)
-    return u32_as_f32(su)
+    if finite:
+        scales[b] = scale
+        _quantize(acc, m, scale, codes, lo)
+    else:
+        scales[b] = u32_as_f32(f32_as_u32(scale) | np.uint32(0x80000000))
+        _quantize_flagged(acc, m, scale, codes, lo)
 
 
 @njit(error_model="numpy", **_CACHE)
-def _quantize(acc, m, scale, finite, codes, lo):
-    """codes[lo:lo+m] = clamp(rint(acc[:m] / |scale|)), -128 where not finite.
+def _quantize(acc, m, scale, codes, lo):
+    """codes[lo:lo+m] = clamp(rint(acc[:m] / scale), -127, 127), all finite.
 
     With a normal finite scale no clamp is needed: the scale is absmax/127
     rounded once to float32, so |acc/scale| <= 127 (1 + 2**-23) and rint
     gives at most 127.  Other scales (subnormal, or infinite from a float64
     absmax) clamp first, which equals clamping after since rint is monotone
-    and fixes +-127; written so that NaN clamps too.  The int8 conversion of
-    a non-finite lane is replaced by the select.  (error_model="numpy"
-    drops the division-by-zero check: the scale is not 0 there.)"""
-    s = as_acc(acc, abs(scale))
-    inf = as_acc(acc, np.inf)
-    nonfinite = np.int8(CODE_NONFINITE)
-    if s >= as_acc(acc, np.float32(1.1754944e-38)) and s < inf:
-        if finite:
-            for j in range(m):
-                codes[np.uint64(lo + j)] = np.int8(np.rint(acc[j] / s))
-        else:
-            for j in range(m):
-                x = acc[j]
-                c = np.int8(np.rint(x / s))
-                codes[np.uint64(lo + j)] = c if abs(x) < inf else nonfinite
+    and fixes +-127.  (error_model="numpy" drops the division-by-zero check:
+    the scale is not 0 there.)"""
+    s = as_acc(acc, scale)
+    if s >= as_acc(acc, np.float32(1.1754944e-38)) and s < as_acc(acc, np.inf):
+        for j in range(m):
+            codes[np.uint64(lo + j)] = np.int8(np.rint(acc[j] / s))
     elif s == 0:
         for j in range(m):
-            codes[np.uint64(lo + j)] = np.int8(0) if abs(acc[j]) < inf else nonfinite
+            codes[np.uint64(lo + j)] = np.int8(0)
     else:
         lim = as_acc(acc, 127)
         for j in range(m):
-            x = acc[j]
-            q = x / s
+            q = acc[j] / s
             q = q if q > -lim else -lim
             q = q if q < lim else lim
-            c = np.int8(np.rint(q))
-            codes[np.uint64(lo + j)] = c if abs(x) < inf else nonfinite
+            codes[np.uint64(lo + j)] = np.int8(np.rint(q))
+
+
+@njit(**_CACHE)
+def _quantize_flagged(acc, m, scale, codes, lo):
+    """A block holding Inf or NaN (rare): finite values clamp to +-126,
+    +Inf -> 127, -Inf -> -127, NaN -> -128."""
+    s = as_acc(acc, scale)
+    lim = as_acc(acc, 126)
+    for j in range(m):
+        x = acc[j]
+        if abs(x) < np.inf:
+            if s == 0:
+                c = 0
+            else:
+                q = x / s
+                q = q if q > -lim else -lim
+                q = q if q < lim else lim
+                c = int(np.rint(q))
+        elif x > 0:
+            c = CODE_POS_INF
+        elif x < 0:
+            c = CODE_NEG_INF
+        else:
+            c = CODE_NAN
+        codes[np.uint64(lo + j)] = np.int8(c)
 
 
 @njit(**_CACHE)
 def _decoder(acc, scale):
-    """(|scale|, value of the reserved code) in acc's type."""
-    su = f32_as_u32(scale)
-    if su & np.uint32(0x80000000):
-        special = -np.inf if su & np.uint32(1) else np.inf
-    else:
-        special = np.nan
-    return as_acc(acc, abs(scale)), as_acc(acc, special)
+    """(|scale| in acc's type, whether the block is flagged)."""
+    return as_acc(acc, abs(scale)), (f32_as_u32(scale) & np.uint32(0x80000000)) != 0
 
 
 @njit(**_CACHE)
-def _has_reserved(codes, lo, m):
-    """Whether codes[lo:lo+m] holds the reserved code; a byte min vectorizes."""
-    cmin = np.int8(0)
-    for j in range(m):
-        cmin = min(cmin, codes[np.uint64(lo + j)])
-    return cmin == CODE_NONFINITE
-
-
-@njit(**_CACHE)
-def _dequant(c, s, sp):
-    d = c * s
-    return sp if c == CODE_NONFINITE else d
+def _dequant_flagged(c, s, inf, nan):
+    """Decoded code c of a flagged block; inf and nan typed like s."""
+    if c == CODE_POS_INF:
+        return inf
+    if c == CODE_NEG_INF:
+        return -inf
+    if c == CODE_NAN:
+        return nan
+    return c * s
 
 
 @njit(**_CACHE)
@@ -338,11 +326,12 @@ def i8_decode(scales, codes, out, block, scratch):
     for b in range(nb):
         lo = b * block
         m = min(block, n - lo)
-        s, sp = _decoder(scratch, scales[b])
-        if _has_reserved(codes, lo, m):
+        s, flagged = _decoder(scratch, scales[b])
+        inf, nan = as_acc(scratch, np.inf), as_acc(scratch, np.nan)
+        if flagged:
             for j in range(m):
                 i = np.uint64(lo + j)
-                store(out, i, _dequant(codes[i], s, sp))
+                store(out, i, _dequant_flagged(codes[i], s, inf, nan))
         else:
             for j in range(m):
                 i = np.uint64(lo + j)
@@ -357,15 +346,17 @@ def i8_decode_reduce(own, scales, codes, out, block, op, scratch):
     for b in range(nb):
         lo = b * block
         m = min(block, n - lo)
-        s, sp = _decoder(scratch, scales[b])
+        s, flagged = _decoder(scratch, scales[b])
+        inf, nan = as_acc(scratch, np.inf), as_acc(scratch, np.nan)
         if op != OP_SUM:
             for j in range(m):
                 i = np.uint64(lo + j)
-                store(out, i, _reduce(op, load(own, i), _dequant(codes[i], s, sp)))
-        elif _has_reserved(codes, lo, m):
+                d = _dequant_flagged(codes[i], s, inf, nan) if flagged else codes[i] * s
+                store(out, i, _reduce(op, load(own, i), d))
+        elif flagged:
             for j in range(m):
                 i = np.uint64(lo + j)
-                store(out, i, load(own, i) + _dequant(codes[i], s, sp))
+                store(out, i, load(own, i) + _dequant_flagged(codes[i], s, inf, nan))
         else:
             for j in range(m):
                 i = np.uint64(lo + j)
@@ -383,18 +374,20 @@ def i8_decode_reduce_encode(own, scales_in, codes_in, scales_out, codes_out,
     for b in range(nb):
         lo = b * block
         m = min(block, n - lo)
-        s, sp = _decoder(scratch, scales_in[b])
+        s, flagged = _decoder(scratch, scales_in[b])
+        inf, nan = as_acc(scratch, np.inf), as_acc(scratch, np.nan)
         max_u = abs_bits(as_acc(scratch, 0))
         if op != OP_SUM:
             for j in range(m):
                 i = np.uint64(lo + j)
-                v = _reduce(op, load(own, i), _dequant(codes_in[i], s, sp))
+                d = _dequant_flagged(codes_in[i], s, inf, nan) if flagged else codes_in[i] * s
+                v = _reduce(op, load(own, i), d)
                 scratch[j] = v
                 max_u = max(max_u, abs_bits(v))
-        elif _has_reserved(codes_in, lo, m):
+        elif flagged:
             for j in range(m):
                 i = np.uint64(lo + j)
-                v = load(own, i) + _dequant(codes_in[i], s, sp)
+                v = load(own, i) + _dequant_flagged(codes_in[i], s, inf, nan)
                 scratch[j] = v
                 max_u = max(max_u, abs_bits(v))
         else:

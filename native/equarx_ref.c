@@ -9,7 +9,11 @@
 #include <string.h>
 #include "equarx_ref.h"
 
-#define CODE_NONFINITE (-128)
+/* Codes with a meaning of their own in flagged blocks (a block holding Inf
+ * or NaN; its scale has the sign bit set). */
+#define CODE_POS_INF 127
+#define CODE_NEG_INF (-127)
+#define CODE_NAN (-128)
 
 static uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -17,36 +21,72 @@ static float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 #define INF_BITS 0x7F800000u
 static uint32_t abs_bits(float v) { return f2u(v) & 0x7FFFFFFFu; }
 
-/* Whether codes[:m] holds the reserved code; a byte min vectorizes, and
- * blocks without it decode without a select. */
-static int has_reserved(const int8_t *codes, int64_t m)
+static int flagged(float scale) { return (f2u(scale) & 0x80000000u) != 0; }
+
+/* Decoded code c of a flagged block. */
+static float dequant_flagged(int8_t c, float s)
 {
-    int8_t cmin = 0;
-    for (int64_t j = 0; j < m; j++)
-        cmin = codes[j] < cmin ? codes[j] : cmin;
-    return cmin == CODE_NONFINITE;
+    if (c == CODE_POS_INF) return INFINITY;
+    if (c == CODE_NEG_INF) return -INFINITY;
+    if (c == CODE_NAN) return NAN;
+    return (float)c * s;
 }
 
-/* Decoded value of code c; sp is the block's non-finite value. */
-static float dequant(int8_t c, float s, float sp)
+/* codes = clamp(rint(v / scale), -127, 127) for a block of finite values.
+ * With a normal scale no clamp is needed: the scale is absmax/127 rounded
+ * once to float32, so |v / scale| <= 127 (1 + 2^-23) and rint gives at most
+ * 127. */
+static void quantize(const float *restrict v, int64_t m, float s,
+                     int8_t *restrict codes)
 {
-    float d = (float)c * s;
-    return c == CODE_NONFINITE ? sp : d;
+    if (s >= FLT_MIN) {
+        for (int64_t j = 0; j < m; j++)
+            codes[j] = (int8_t)(int32_t)rintf(v[j] / s);
+    } else if (s == 0.0f) {
+        memset(codes, 0, (size_t)m);
+    } else {
+        /* subnormal scale: clamping before rint is the same as after (rint
+         * is monotone and fixes +-127) */
+        for (int64_t j = 0; j < m; j++) {
+            float q = v[j] / s;
+            q = q > -127.0f ? q : -127.0f;
+            q = q < 127.0f ? q : 127.0f;
+            codes[j] = (int8_t)(int32_t)rintf(q);
+        }
+    }
 }
 
-/* (|scale|, value of the reserved code) of a block */
-static float decoder(float scale, float *sp)
+/* A block holding Inf or NaN: finite values clamp to +-126, the rest take
+ * the special codes. */
+static void quantize_flagged(const float *v, int64_t m, float s, int8_t *codes)
 {
-    uint32_t su = f2u(scale);
-    if (su & 0x80000000u)
-        *sp = (su & 1u) ? -INFINITY : INFINITY;
-    else
-        *sp = NAN;
-    return fabsf(scale);
+    for (int64_t j = 0; j < m; j++) {
+        float x = v[j];
+        int c;
+        if (fabsf(x) < INFINITY) {
+            if (s == 0.0f) {
+                c = 0;
+            } else {
+                float q = x / s;
+                q = q > -126.0f ? q : -126.0f;
+                q = q < 126.0f ? q : 126.0f;
+                c = (int)rintf(q);
+            }
+        } else if (x > 0) {
+            c = CODE_POS_INF;
+        } else if (x < 0) {
+            c = CODE_NEG_INF;
+        } else {
+            c = CODE_NAN;
+        }
+        codes[j] = (int8_t)c;
+    }
 }
 
-/* The block's scale; max_u is the largest magnitude bits of v[:m]. */
-static float block_scale(const float *v, int64_t m, uint32_t max_u)
+/* One block of values v[:m] (largest magnitude bits max_u) to its scale and
+ * codes; returns the scale as sent. */
+static float emit_block(const float *restrict v, int64_t m, uint32_t max_u,
+                        int8_t *restrict codes)
 {
     int finite = max_u < INF_BITS;
     if (!finite) {                       /* the absmax is over finite values */
@@ -56,66 +96,15 @@ static float block_scale(const float *v, int64_t m, uint32_t max_u)
                 max_u = abs_bits(v[j]);
     }
     float amax = u2f(max_u);
-    float scale = (float)((double)amax / 127.0);
+    float scale = (float)((double)amax / (finite ? 127.0 : 126.0));
     if (scale == 0.0f && amax > 0.0f)
         scale = u2f(1u);                 /* smallest subnormal */
-    if (!finite) {
-        int kinds = 0;                   /* 1: +Inf, 2: -Inf, 4: NaN */
-        for (int64_t j = 0; j < m; j++) {
-            if (v[j] != v[j]) kinds |= 4;
-            else if (v[j] == INFINITY) kinds |= 1;
-            else if (v[j] == -INFINITY) kinds |= 2;
-        }
-        uint32_t su = f2u(scale);
-        if (kinds == 1) su = (su & 0xFFFFFFFEu) | 0x80000000u;
-        else if (kinds == 2) su |= 0x80000001u;
-        scale = u2f(su);
+    if (finite) {
+        quantize(v, m, scale, codes);
+        return scale;
     }
-    return scale;
-}
-
-/* codes = clamp(rint(v / |scale|), -127, 127), -128 where v is not finite.
- * With a normal scale no clamp is needed: the scale is absmax/127 rounded
- * once to float32, so |v / scale| <= 127 (1 + 2^-23) and rint gives at most
- * 127.  Non-finite lanes divide 0 instead, so every conversion is defined. */
-static void quantize(const float *restrict v, int64_t m, float scale,
-                     int all_finite, int8_t *restrict codes)
-{
-    float s = fabsf(scale);
-    if (s >= FLT_MIN && all_finite) {
-        for (int64_t j = 0; j < m; j++)
-            codes[j] = (int8_t)(int32_t)rintf(v[j] / s);
-    } else if (s >= FLT_MIN) {
-        for (int64_t j = 0; j < m; j++) {
-            float x = v[j];
-            int fin = fabsf(x) < INFINITY;
-            int8_t c = (int8_t)(int32_t)rintf((fin ? x : 0.0f) / s);
-            codes[j] = fin ? c : CODE_NONFINITE;
-        }
-    } else if (s == 0.0f) {
-        for (int64_t j = 0; j < m; j++)
-            codes[j] = fabsf(v[j]) < INFINITY ? 0 : CODE_NONFINITE;
-    } else {
-        /* subnormal scale: clamping before rint is the same as after (rint
-         * is monotone and fixes +-127); this form also maps NaN to -127 */
-        for (int64_t j = 0; j < m; j++) {
-            float x = v[j];
-            float q = x / s;
-            q = q > -127.0f ? q : -127.0f;
-            q = q < 127.0f ? q : 127.0f;
-            int8_t c = (int8_t)(int32_t)rintf(q);
-            codes[j] = fabsf(x) < INFINITY ? c : CODE_NONFINITE;
-        }
-    }
-}
-
-/* One block of values v[:m] to its scale and codes. */
-static float emit_block(const float *restrict v, int64_t m, uint32_t max_u,
-                        int8_t *restrict codes)
-{
-    float scale = block_scale(v, m, max_u);
-    quantize(v, m, scale, max_u < INF_BITS, codes);
-    return scale;
+    quantize_flagged(v, m, scale, codes);
+    return u2f(f2u(scale) | 0x80000000u);
 }
 
 void eqx_encode_f32(const float *src, int64_t n, int64_t block,
@@ -137,10 +126,10 @@ void eqx_decode_f32(const float *scales, const int8_t *codes, int64_t n,
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t m = n - lo < block ? n - lo : block;
         const int8_t *c = codes + lo;
-        float sp, s = decoder(scales[b], &sp);
-        if (has_reserved(c, m))
+        float s = fabsf(scales[b]);
+        if (flagged(scales[b]))
             for (int64_t j = 0; j < m; j++)
-                out[lo + j] = dequant(c[j], s, sp);
+                out[lo + j] = dequant_flagged(c[j], s);
         else
             for (int64_t j = 0; j < m; j++)
                 out[lo + j] = (float)c[j] * s;
@@ -154,10 +143,10 @@ void eqx_decode_reduce_sum_f32(const float *own, const float *scales,
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t m = n - lo < block ? n - lo : block;
         const int8_t *c = codes + lo;
-        float sp, s = decoder(scales[b], &sp);
-        if (has_reserved(c, m))
+        float s = fabsf(scales[b]);
+        if (flagged(scales[b]))
             for (int64_t j = 0; j < m; j++)
-                out[lo + j] = own[lo + j] + dequant(c[j], s, sp);
+                out[lo + j] = own[lo + j] + dequant_flagged(c[j], s);
         else
             for (int64_t j = 0; j < m; j++)
                 out[lo + j] = own[lo + j] + (float)c[j] * s;
@@ -174,12 +163,12 @@ void eqx_decode_reduce_encode_sum_f32(const float *own, const float *scales_in,
         const int8_t *c = codes_in + lo;
         const float *x = own + lo;
         float *restrict v = scratch;
-        float sp, s = decoder(scales_in[b], &sp);
+        float s = fabsf(scales_in[b]);
         uint32_t max_u = 0;
         /* the whole input block is read before any output is written */
-        if (has_reserved(c, m))
+        if (flagged(scales_in[b]))
             for (int64_t j = 0; j < m; j++) {
-                v[j] = x[j] + dequant(c[j], s, sp);
+                v[j] = x[j] + dequant_flagged(c[j], s);
                 max_u = abs_bits(v[j]) > max_u ? abs_bits(v[j]) : max_u;
             }
         else

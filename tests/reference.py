@@ -4,7 +4,6 @@ import ml_dtypes
 import numpy as np
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-NONFINITE = -128
 
 
 def acc_dtype(dtype):
@@ -25,24 +24,19 @@ def quantize(v, block):
     for b in range(nb):
         blk = v[b * block:(b + 1) * block]
         finite = np.isfinite(blk)
+        flagged = not finite.all()
+        levels = 126 if flagged else 127
         amax = np.abs(blk[finite]).max() if finite.any() else blk.dtype.type(0)
-        scale = np.float32(np.float64(amax) / 127.0)
+        scale = np.float32(np.float64(amax) / levels)
         if scale == 0 and amax > 0:
             scale = np.float32(1e-45)
-        if not finite.all():
-            bad = blk[~finite]
-            su = scale.view(np.uint32)
-            if np.all(bad == np.inf):
-                su = (su & np.uint32(0xFFFFFFFE)) | np.uint32(0x80000000)
-            elif np.all(bad == -np.inf):
-                su = su | np.uint32(0x80000001)
-            scale = np.uint32(su).view(np.float32)
-        scales[b] = scale
-        s = blk.dtype.type(abs(scale))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            q = np.zeros(blk.size) if s == 0 else np.clip(np.rint(blk / s), -127, 127)
-        q = np.where(finite, q, NONFINITE)
+        s = blk.dtype.type(scale)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            q = np.zeros(blk.size) if s == 0 else np.clip(np.rint(blk / s), -levels, levels)
+        q = np.where(blk == np.inf, 127, np.where(blk == -np.inf, -127, q))
+        q = np.where(np.isnan(blk), -128, q)
         codes[b * block:(b + 1) * block] = q.astype(np.int8)
+        scales[b] = -scale if flagged else scale
     return scales, codes
 
 
@@ -52,11 +46,13 @@ def dequantize(scales, codes, block, dtype=np.float32):
     out = np.empty(codes.size, acc)
     for b in range(scales.size):
         sc = scales[b]
-        su = int(sc.view(np.uint32))
-        special = (-np.inf if su & 1 else np.inf) if su & 0x80000000 else np.nan
+        flagged = bool(int(sc.view(np.uint32)) & 0x80000000)
         c = codes[b * block:(b + 1) * block]
         v = c.astype(acc) * acc(abs(sc))
-        out[b * block:(b + 1) * block] = np.where(c == NONFINITE, acc(special), v)
+        if flagged:
+            v = np.where(c == 127, np.inf, np.where(c == -127, -np.inf, v))
+            v = np.where(c == -128, np.nan, v).astype(acc)
+        out[b * block:(b + 1) * block] = v
     return out
 
 

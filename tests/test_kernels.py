@@ -172,3 +172,18 @@ def test_plain_wire_formats(wire):
     ref = (own + other.astype(wire).astype(np.float32)).astype(wire)
     np.testing.assert_array_equal(w.view(wire).view(np.uint16 if wire == BF16 else np.uint32),
                                   ref.view(np.uint16 if wire == BF16 else np.uint32))
+
+
+def test_mixed_nonfinite_kinds_in_one_block_keep_their_kind():
+    x = np.linspace(-3, 3, 256).astype(np.float32)
+    x[[1, 2, 3]] = [np.inf, -np.inf, np.nan]
+    sc, co = np.empty(1, np.float32), np.empty(256, np.int8)
+    scratch = np.empty(256, np.float32)
+    K.i8_encode(ro(x), sc, co, 256, scratch)
+    assert np.signbit(sc[0]) and co[1] == 127 and co[2] == -127 and co[3] == -128
+    assert np.abs(co[4:]).max() == 126
+    out = np.empty_like(x)
+    K.i8_decode(sc, co, out, 256, scratch)
+    assert out[1] == np.inf and out[2] == -np.inf and np.isnan(out[3])
+    finite = np.isfinite(x)
+    assert np.abs(out[finite] - x[finite]).max() <= abs(sc[0]) / 2

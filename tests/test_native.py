@@ -110,13 +110,14 @@ def test_c_and_numba_agree(native, block):
             np.testing.assert_array_equal(bits(got_nb), bits(got_c), err_msg=msg)
 
 
-def test_reserved_code_in_wire_decodes_alike(native):
-    # A wire with -128 codes under every kind of scale flag: NaN, +Inf, -Inf.
+def test_special_codes_decode_alike(native):
+    # The special codes in unflagged blocks (plain numbers) and in flagged
+    # ones (sign bit of the scale: 127 = +Inf, -127 = -Inf, -128 = NaN).
     codes = np.tile(np.array([-128, 5, -127, 127, 0, -128, 1, -1], np.int8), 3)
     scales = np.array([0.5, 0.25, 2.0], np.float32)
     su = scales.view(np.uint32)
-    su[1] = (su[1] & 0xFFFFFFFE) | 0x80000000       # +Inf
-    su[2] = su[2] | 0x80000001                      # -Inf
+    su[1] |= 0x80000000
+    su[2] |= 0x80000000
     own = np.arange(codes.size, dtype=np.float32)
     outs = []
     for run in ((lambda o: K.i8_decode(scales, codes, o, 8, np.empty(8, np.float32)),
@@ -130,7 +131,10 @@ def test_reserved_code_in_wire_decodes_alike(native):
         outs.append((d, r))
     np.testing.assert_array_equal(bits(outs[0][0]), bits(outs[1][0]))
     np.testing.assert_array_equal(bits(outs[0][1]), bits(outs[1][1]))
-    assert np.isnan(outs[0][0][0]) and outs[0][0][8] == np.inf and outs[0][0][16] == -np.inf
+    d = outs[0][0]
+    assert np.isfinite(d[:8]).all() and d[3] == 127 * 0.5
+    assert np.isnan(d[8]) and d[10] == -np.inf and d[11] == np.inf and d[13] != d[13]
+    assert d[9] == 5 * 0.25 and d[17] == 5 * 2.0
 
 
 def test_copy(native):
