@@ -1,5 +1,6 @@
 """The public edge: QuantizedComm, argument checks agreed across ranks, the
 choice between the quantized ring and exact MPI, and the one-call helper."""
+import array
 import collections
 import functools
 import math
@@ -22,6 +23,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
 #: Float dtypes that travel quantized; anything else takes exact MPI.
 QUANTIZED_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float64),
                                      np.dtype(np.float16), BFLOAT16) if d is not None)
+_HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
 ALGORITHMS = ("ring",)
 #: Below this many bytes per rank the exact comm.Allreduce is used.  Measured
 #: with ``python -m equarx_mpi.bench``; see README "Crossover".
@@ -267,13 +269,15 @@ class QuantizedComm:
             return exponent
         # One tiny MAX-Allreduce of (fields, -fields, error flag, exponent)
         # tells every rank whether all agree; only then are details gathered.
-        fields = [_meta_key(name, v) for name, v in meta]
-        a = np.array(fields + [-f for f in fields] + [err is not None, exponent], np.int64)
-        self._comm.Allreduce(MPI.IN_PLACE, a, MPI.MAX)
-        got = a.tolist()
+        # (array.array: a numpy array costs more than the message here.)
+        fields = [v if type(v) is int else _meta_key(name, v) for name, v in meta]
+        a = array.array("q", fields)
+        a.extend([-f for f in fields])
+        a.extend((err is not None, exponent))
+        self._comm.Allreduce(MPI.IN_PLACE, [a, MPI.INT64_T], MPI.MAX)
         k = len(fields)
-        if not got[-2] and got[:k] == [-f for f in got[k:2 * k]]:
-            return got[-1]
+        if not a[-2] and all(a[i] == -a[k + i] for i in range(k)):
+            return a[-1]
         everyone = self._comm.allgather(
             (None if err is None else (type(err).__name__, str(err)),
              {name: str(v) for name, v in meta}))
@@ -444,7 +448,7 @@ def _raise_agreed(what, everyone):
 def _exact(comm, what, send, recv, op):
     """The exact MPI collective on the duplicate; send None means in place."""
     fn = getattr(comm, what)
-    if recv.dtype not in (np.dtype(np.float16), BFLOAT16):
+    if recv.dtype not in _HALF_DTYPES:
         return fn(MPI.IN_PLACE if send is None else send, recv, op)
     # MPI has no bfloat16 (nor a portable float16): reduce in float32.
     src = (recv if send is None else send).reshape(-1).astype(np.float32)
@@ -459,7 +463,7 @@ def _exact(comm, what, send, recv, op):
 
 def _exact_gather(comm, send, recv):
     r = recv.reshape(-1)
-    if r.dtype in (np.dtype(np.float16), BFLOAT16):   # move the bits
+    if r.dtype in _HALF_DTYPES:   # move the bits
         r = r.view(np.uint16)
         send = None if send is None else send.reshape(-1).view(np.uint16)
     comm.Allgather(MPI.IN_PLACE if send is None else send, r)
