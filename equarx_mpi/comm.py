@@ -25,12 +25,16 @@ QUANTIZED_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float64),
                                      np.dtype(np.float16), BFLOAT16) if d is not None)
 _HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
 ALGORITHMS = ("ring",)
-#: Below this many bytes per rank the exact comm.Allreduce is used.  Measured
-#: with ``python -m equarx_mpi.bench``; see README "Crossover".
-DEFAULT_MIN_QUANTIZED_BYTES = 256 * 1024
-#: Automatic pipelining: about this many input bytes per piece, at most
-#: MAX_AUTO_CHUNKS pieces per shard.  Measured, see README "Pipelining".
-PIECE_TARGET_BYTES = 256 * 1024
+#: Below this many bytes per rank the exact MPI collective is used, by
+#: default: one value when all ranks share a node (shared memory: MPI's copy
+#: is cheap, the kernels' passes over memory are not), one across nodes.
+#: Measured with ``python -m equarx_mpi.bench``; see README "Defaults".
+DEFAULT_MIN_QUANTIZED_BYTES = {"one_node": 4 << 20, "network": 256 << 10}
+#: Automatic pipelining across nodes: about this many input bytes per piece,
+#: at most MAX_AUTO_CHUNKS pieces per shard.  On one node a shard goes as one
+#: piece: the "transfer" is a memory copy by the same cores, nothing to hide
+#: the kernels behind.  Measured, see README "Defaults".
+PIECE_TARGET_BYTES = 256 << 10
 MAX_AUTO_CHUNKS = 8
 #: No single message exceeds this (MPI counts are 32-bit in many places).
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
@@ -97,9 +101,11 @@ class QuantizedComm:
     block_size: values per int8 block (one float32 scale each), a power of
         two from 32 to 4096.
     algorithm: "ring" (pipelined reduce-scatter + all-gather).
-    chunks: pieces per shard for pipelining; None chooses by message size.
-    min_quantized_bytes: messages smaller than this (bytes per rank) use the
-        exact MPI collective; None takes the measured default.
+    chunks: pieces per shard for pipelining; None: one piece when all ranks
+        share a node, else about 256 KiB of input per piece (at most 8).
+    min_quantized_bytes: messages smaller than this (bytes per rank; for the
+        two halves, the P*m-value buffer) use the exact MPI collective; None
+        takes the measured default: 4 MiB on one node, 256 KiB across nodes.
     check: agree on every call's arguments across ranks first (one tiny
         Allreduce), so mismatched or bad calls raise the same error
         everywhere instead of hanging.  Turn off only if the caller
@@ -128,8 +134,6 @@ class QuantizedComm:
         self.block_size = block_size
         self.algorithm = algorithm
         self.chunks = chunks
-        self.min_quantized_bytes = (DEFAULT_MIN_QUANTIZED_BYTES
-                                    if min_quantized_bytes is None else min_quantized_bytes)
         self.check = check
         self.max_message_bytes = max_message_bytes
         self.format = formats.make_format(bits, block_size)
@@ -138,7 +142,12 @@ class QuantizedComm:
         self._comm = comm.Dup()
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         self._compile_first = local.Get_rank() == 0
+        #: all ranks on one node (shared memory); the same answer on every rank
+        self.one_node = local.Get_size() == self._comm.Get_size()
         local.Free()
+        self.min_quantized_bytes = (
+            DEFAULT_MIN_QUANTIZED_BYTES["one_node" if self.one_node else "network"]
+            if min_quantized_bytes is None else min_quantized_bytes)
         self._compiled = set()
         self._plans = collections.OrderedDict()
         self._ws = np.empty(0, np.uint8)
@@ -307,7 +316,9 @@ class QuantizedComm:
         P = len(shards)
         item = own.dtype.itemsize
         chunks = self.chunks
-        if chunks is None:
+        if chunks is None and self.one_node:
+            chunks = 1
+        elif chunks is None:
             biggest = max(length for _, length in shards) * item
             chunks = max(1, min(MAX_AUTO_CHUNKS, biggest // PIECE_TARGET_BYTES))
         key = (kind, tuple(shards), chunks)
