@@ -8,21 +8,16 @@ import os
 import sys
 import zlib
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
 from . import formats, ring
 from . import kernels as K
 
-try:
-    import ml_dtypes
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a dependency
-    BFLOAT16 = None
-
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: Float dtypes that travel quantized; anything else takes exact MPI.
-QUANTIZED_DTYPES = tuple(d for d in (np.dtype(np.float32), np.dtype(np.float64),
-                                     np.dtype(np.float16), BFLOAT16) if d is not None)
+QUANTIZED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BFLOAT16)
 _HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
 ALGORITHMS = ("ring",)
 #: Below this many bytes per rank the exact MPI collective is used, by
@@ -47,14 +42,14 @@ _OTHER_OPS = ("PROD", "LAND", "BAND", "LOR", "BOR", "LXOR", "BXOR",
 
 
 def _op_code(op):
-    """(kernel op or None, stable integer for cross-rank checks, name)."""
+    """(kernel op, or None for the exact path; name)."""
     for known, code, name in _OPS:
         if op == known:
-            return code, code + 1, name
-    for i, name in enumerate(_OTHER_OPS):
+            return code, name
+    for name in _OTHER_OPS:
         if op == getattr(MPI, name, None):
-            return None, 10 + i, name
-    return None, 99, "user-defined op"
+            return None, name
+    return None, "user-defined op"
 
 
 def _kernel_view(a, writable):
@@ -332,7 +327,7 @@ class QuantizedComm:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
-        acc = _acc_dtype(np.float64 if own.dtype == np.float64 else np.float32)
+        acc = _acc_dtype(own.dtype)
         scratch = self._scratch.get(acc.str)
         if scratch is None:
             scratch = self._scratch[acc.str] = np.empty(self.block_size, acc)
@@ -393,7 +388,7 @@ def _check_buffers(what, sendbuf, recvbuf, op, P):
     of (name, value) that every rank must share; count is the whole message
     (P*m values for the two halves)."""
     in_place = sendbuf is MPI.IN_PLACE
-    meta = [("op", "none" if op is None else _op_code(op)[2])]
+    meta = [("op", "none" if op is None else _op_code(op)[1])]
     try:
         if not isinstance(recvbuf, np.ndarray):
             raise TypeError(f"{what}: recvbuf must be a numpy array, not {type(recvbuf).__name__}")
@@ -482,7 +477,7 @@ def _exact_gather(comm, send, recv):
 
 def _warm(fmt, kdtype, block):
     """Compile (or load from cache) every kernel for one element type."""
-    acc = _acc_dtype(np.float64 if kdtype == np.float64 else np.float32)
+    acc = _acc_dtype(kdtype)
     scratch = np.empty(block, acc)
     src = np.zeros(2 * block + 3, kdtype)
     src.flags.writeable = False
