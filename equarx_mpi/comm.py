@@ -188,8 +188,6 @@ class QuantizedComm:
         send, recv, kop, quantized = self._begin("Allreduce", sendbuf, recvbuf, op)
         P = self._comm.Get_size()
         if P == 1:
-            if send is not None:
-                recv[...] = send.reshape(recv.shape)
             return
         if not quantized:
             return _exact(self._comm, "Allreduce", send, recv, op)
@@ -216,8 +214,6 @@ class QuantizedComm:
         send, recv, kop, quantized = self._begin("Reduce_scatter_block", sendbuf, recvbuf, op)
         P, r = self._comm.Get_size(), self._comm.Get_rank()
         if P == 1:
-            if send is not None:
-                recv[...] = send.reshape(recv.shape)
             return
         if not quantized:
             return _exact(self._comm, "Reduce_scatter_block", send, recv, op)
@@ -234,8 +230,6 @@ class QuantizedComm:
         send, recv, _, quantized = self._begin("Allgather", sendbuf, recvbuf, None)
         P, r = self._comm.Get_size(), self._comm.Get_rank()
         if P == 1:
-            if send is not None:
-                recv[...] = send.reshape(recv.shape)
             return
         if not quantized:
             return _exact_gather(self._comm, send, recv)
@@ -250,7 +244,8 @@ class QuantizedComm:
         """What every call starts with: local checks, agreed across ranks, and
         the choice between the quantized ring and exact MPI (op None: no
         reduction, as in Allgather).  Returns (send or None for in place,
-        recv, kernel op, quantized)."""
+        recv, kernel op, quantized).  On one rank every collective is a copy,
+        done here."""
         self._usable()
         send, recv, meta, err = _check_buffers(what, sendbuf, recvbuf, op,
                                                self._comm.Get_size())
@@ -262,6 +257,8 @@ class QuantizedComm:
         top = self._agree(what, meta, err, exponent)
         if guard and not -F64_EXPONENT_LIMIT <= top <= F64_EXPONENT_LIMIT:
             quantized = False            # beyond what float32 scales can carry
+        if self._comm.Get_size() == 1 and send is not None:
+            recv[...] = send.reshape(recv.shape)
         return send, recv, kop, quantized
 
     def _agree(self, what, meta, err, exponent):
