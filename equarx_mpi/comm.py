@@ -3,6 +3,7 @@ choice between the quantized ring and exact MPI, and the one-call helper."""
 import array
 import collections
 import functools
+import inspect
 import math
 import os
 import sys
@@ -19,6 +20,8 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: Float dtypes that travel quantized; anything else takes exact MPI.
 QUANTIZED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BFLOAT16)
 _HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
+#: Reduced in float32 on the exact path: MPI knows no such type.
+_UPCAST_DTYPES = (BFLOAT16,) if "e" in MPI._typedict else _HALF_DTYPES
 ALGORITHMS = ("ring",)
 #: Below this many bytes per rank the exact MPI collective is used, by
 #: default: one value when all ranks share a node (shared memory: MPI's copy
@@ -31,7 +34,8 @@ DEFAULT_MIN_QUANTIZED_BYTES = {"one_node": 4 << 20, "network": 256 << 10}
 #: the kernels behind.  Measured, see README "Defaults".
 PIECE_TARGET_BYTES = 256 << 10
 MAX_AUTO_CHUNKS = 8
-#: No single message exceeds this (MPI counts are 32-bit in many places).
+#: No single message exceeds this (MPI counts are 32-bit in many places);
+#: pieces are whole blocks, so it must hold at least one block.
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 _PLAN_CACHE = 8
 
@@ -73,7 +77,7 @@ def _acc_dtype(dtype):
 @functools.lru_cache(maxsize=256)
 def _meta_key(name, value):
     """A stable integer for comparing a call's value across ranks."""
-    if isinstance(value, int):
+    if type(value) is int:
         return value
     if isinstance(value, np.dtype):   # dtype.str alone can't tell bfloat16 apart
         value = value.str + str(value)
@@ -201,7 +205,8 @@ class QuantizedComm:
 
     def allreduce(self, x, op=MPI.SUM):
         """A new array with x's shape and dtype holding op over ranks of x."""
-        x = np.ascontiguousarray(x)
+        x = np.asarray(x)
+        x = np.ascontiguousarray(x).reshape(x.shape)    # keeps 0-d as 0-d
         out = np.empty_like(x)
         self.Allreduce(x, out, op)
         return out
@@ -242,24 +247,34 @@ class QuantizedComm:
     # --- internals --------------------------------------------------------------
     def _begin(self, what, sendbuf, recvbuf, op):
         """What every call starts with: local checks, agreed across ranks, and
-        the choice between the quantized ring and exact MPI (op None: no
-        reduction, as in Allgather).  Returns (send or None for in place,
+        the choice between the quantized ring and exact MPI (Allgather
+        reduces nothing and ignores op).  Returns (send or None for in place,
         recv, kernel op, quantized).  On one rank every collective is a copy,
         done here."""
         self._usable()
         send, recv, meta, err = _check_buffers(what, sendbuf, recvbuf, op,
                                                self._comm.Get_size())
-        kop = K.OP_MAX if op is None else _op_code(op)[0]
+        kop = K.OP_MAX if what == "Allgather" else _op_code(op)[0]
         quantized = (err is None and kop is not None and recv.dtype in QUANTIZED_DTYPES
-                     and meta[1][1] * recv.dtype.itemsize >= self.min_quantized_bytes)
+                     and dict(meta)["count"] * recv.dtype.itemsize >= self.min_quantized_bytes)
         guard = self.check and quantized and recv.dtype == np.float64
-        exponent = _f64_exponent(recv if send is None else send) if guard else NO_EXPONENT
+        exponent = _f64_exponent(self._own_values(what, send, recv)) if guard else NO_EXPONENT
         top = self._agree(what, meta, err, exponent)
         if guard and not -F64_EXPONENT_LIMIT <= top <= F64_EXPONENT_LIMIT:
             quantized = False            # beyond what float32 scales can carry
         if self._comm.Get_size() == 1 and send is not None:
             recv[...] = send.reshape(recv.shape)
         return send, recv, kop, quantized
+
+    def _own_values(self, what, send, recv):
+        """This rank's input (in place, for Allgather, only its own block)."""
+        if send is not None:
+            return send
+        if what == "Allgather":
+            P, r = self._comm.Get_size(), self._comm.Get_rank()
+            m = recv.size // P
+            return recv.reshape(-1)[r * m:(r + 1) * m]
+        return recv
 
     def _agree(self, what, meta, err, exponent):
         """Raise the same error on every rank unless all ranks made the same
@@ -350,8 +365,10 @@ def _option_error(o):
         if q is not None and (not isinstance(q, (int, np.integer)) or q < 0):
             raise ValueError(f"min_quantized_bytes must be None or an integer >= 0, not {q!r}")
         mm = o["max_message_bytes"]
-        if not isinstance(mm, (int, np.integer)) or not 1024 <= mm < 2 ** 31:
-            raise ValueError(f"max_message_bytes must be an integer in [1024, 2**31), not {mm!r}")
+        one_block = formats.make_format(o["bits"], b).nbytes(b)
+        if not isinstance(mm, (int, np.integer)) or not one_block <= mm < 2 ** 31:
+            raise ValueError(f"max_message_bytes must be an integer from one block's "
+                             f"{one_block} bytes to 2**31 - 1, not {mm!r}")
     except ValueError as e:
         return e
     return None
@@ -385,19 +402,29 @@ def _check_buffers(what, sendbuf, recvbuf, op, P):
     of (name, value) that every rank must share; count is the whole message
     (P*m values for the two halves)."""
     in_place = sendbuf is MPI.IN_PLACE
-    meta = [("op", "none" if op is None else _op_code(op)[1])]
+    reduces = what != "Allgather"
+    meta = [("call", what), ("op", _op_code(op)[1] if isinstance(op, MPI.Op) else "none")]
     try:
+        if reduces and not isinstance(op, MPI.Op):
+            raise TypeError(f"{what}: op must be an MPI.Op such as MPI.SUM, not {op!r}")
         if not isinstance(recvbuf, np.ndarray):
             raise TypeError(f"{what}: recvbuf must be a numpy array, not {type(recvbuf).__name__}")
         if not in_place and not isinstance(sendbuf, np.ndarray):
             raise TypeError(f"{what}: sendbuf must be a numpy array or MPI.IN_PLACE, "
                             f"not {type(sendbuf).__name__}")
-        send = None if in_place else sendbuf
+        # subclasses (np.matrix, masked arrays) as the plain arrays they hold
+        recvbuf = recvbuf.view(np.ndarray)
+        send = None if in_place else sendbuf.view(np.ndarray)
         dt = recvbuf.dtype
         if send is not None and send.dtype != dt:
             raise TypeError(f"{what}: sendbuf dtype {send.dtype} differs from recvbuf dtype {dt}")
         if dt not in QUANTIZED_DTYPES and dt.kind not in "biufc":
             raise TypeError(f"{what}: unsupported dtype {dt}")
+        if not dt.isnative:
+            raise TypeError(f"{what}: dtype {dt.str} is not in the machine's byte order")
+        if dt == BFLOAT16 and reduces and _op_code(op)[1] == "user-defined op":
+            raise TypeError(f"{what}: a user-defined op cannot reduce bfloat16 "
+                            f"(MPI has no bfloat16 type)")
         if not recvbuf.flags.c_contiguous:
             raise ValueError(f"{what}: recvbuf must be C-contiguous (shape {recvbuf.shape}, "
                              f"strides {recvbuf.strides})")
@@ -424,10 +451,10 @@ def _check_buffers(what, sendbuf, recvbuf, op, P):
                              f"into {P} equal blocks")
         total = send.size if what == "Reduce_scatter_block" and send is not None else (
             recvbuf.size)
-        meta += [("count", int(total)), ("dtype", dt), ("ndim", recvbuf.ndim)]
+        meta += [("count", int(total)), ("dtype", dt), ("shape", recvbuf.shape)]
         return send, recvbuf, meta, None
     except (TypeError, ValueError) as e:
-        meta += [("count", "?"), ("dtype", "?"), ("ndim", "?")]
+        meta += [("count", "?"), ("dtype", "?"), ("shape", "?")]
         return None, recvbuf, meta, e
 
 
@@ -445,15 +472,15 @@ def _raise_agreed(what, everyone):
         values = [d.get(name) for d in descs]
         if any(v != values[0] for v in values):
             shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
-            raise ValueError(f"equarx_mpi: {what}: {name} differs between ranks ({shown})")
+            raise ValueError(f"equarx_mpi: {name} differs between ranks ({shown})")
 
 
 def _exact(comm, what, send, recv, op):
     """The exact MPI collective on the duplicate; send None means in place."""
     fn = getattr(comm, what)
-    if recv.dtype not in _HALF_DTYPES:
+    if recv.dtype not in _UPCAST_DTYPES:
         return fn(MPI.IN_PLACE if send is None else send, recv, op)
-    # MPI has no bfloat16 (nor a portable float16): reduce in float32.
+    # MPI has no bfloat16 (and some MPIs no float16): reduce in float32.
     src = (recv if send is None else send).reshape(-1).astype(np.float32)
     if what == "Allreduce":
         fn(MPI.IN_PLACE, src, op)
@@ -509,6 +536,7 @@ def abort_on_exception():
 # --- one call for scripts ----------------------------------------------------------
 
 _keyval = None
+_SIGNATURE = inspect.signature(QuantizedComm.__init__)
 
 
 def _drop_cached(comm, keyval, cached):
@@ -528,7 +556,10 @@ def allreduce(x, comm=None, op=MPI.SUM, **options):
     if cached is None:
         cached = {}
         comm.Set_attr(_keyval, cached)
-    key = tuple(sorted(options.items()))
+    # the same options however spelled, or ranks would pick different entries
+    bound = _SIGNATURE.bind(None, comm, **options)
+    bound.apply_defaults()
+    key = tuple(sorted((k, v) for k, v in bound.arguments.items() if k not in ("self", "comm")))
     qc = cached.get(key)
     if qc is None:
         qc = cached[key] = QuantizedComm(comm, **options)

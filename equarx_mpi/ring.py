@@ -52,8 +52,10 @@ class Plan:
         P = len(shards)
         self.kind, self.P, self.rank = kind, P, rank
         cuts = []
+        most = max(1, max_piece_bytes // fmt.nbytes(block))   # blocks per message
         for off, length in shards:
-            want = max(chunks, -(-fmt.nbytes(length) // max_piece_bytes))
+            blocks = -(-length // block)
+            want = max(chunks, -(-blocks // most))
             cuts.append([(off + lo, off + hi)
                          for lo, hi in split_blocks(length, block, want)])
         layout = []

@@ -307,3 +307,112 @@ def test_soak_mixed_calls_equal_the_same_call_alone():
             bad += y.tobytes() != alone[n, dt]
     everywhere(bad == 0, f"{bad} of 10,000 mixed calls differ from the call made alone")
     everywhere(_rss_mib() - before < 16, "RSS flat over the soak")
+
+
+# --- found in review ----------------------------------------------------------------
+
+def test_op_must_be_an_mpi_op(qc):
+    x = np.ones(100000, np.float32)
+    raises_everywhere(TypeError, lambda: qc.Allreduce(x, np.empty_like(x), None), "MPI.Op")
+    P = WORLD.Get_size()
+    raises_everywhere(TypeError, lambda: qc.Reduce_scatter_block(
+        np.ones(P * 1000, np.float32), np.empty(1000, np.float32), "sum"), "MPI.Op")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_different_collectives_on_ranks_raise_everywhere(qc):
+    P = WORLD.Get_size()
+    x = np.ones(P * 300, np.float32)
+    if WORLD.Get_rank() == 0:
+        fn = lambda: qc.Allreduce(x, np.empty_like(x))                     # noqa: E731
+    else:
+        fn = lambda: qc.Reduce_scatter_block(x, np.empty(300, np.float32))  # noqa: E731
+    raises_everywhere(ValueError, fn, "call differs")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shape_mismatch_raises_everywhere(qc):
+    x = np.ones(16, np.float32) if WORLD.Get_rank() == 0 else np.ones((4, 4), np.float32)
+    raises_everywhere(ValueError, lambda: qc.Allreduce(x, np.empty_like(x)), "shape")
+
+
+def test_byte_swapped_dtype_is_type_error(qc):
+    x = np.ones(10, ">f4")
+    raises_everywhere(TypeError, lambda: qc.Allreduce(x, np.empty_like(x)), "byte order")
+
+
+def test_array_subclasses_are_used_as_plain_arrays(qc):
+    P = WORLD.Get_size()
+    m = np.asmatrix(np.ones((300, 300), np.float32))
+    got = qc.allreduce(m)
+    everywhere(np.allclose(np.asarray(got), P, rtol=0.02), "np.matrix input")
+    ma = np.ma.masked_array(np.ones(50000, np.float32), mask=False)
+    out = np.empty(50000, np.float32)
+    qc.Allreduce(ma, out)
+    everywhere(np.allclose(out, P, rtol=0.02), "masked array input")
+
+
+def test_zero_dimensional_array_keeps_its_shape(qc):
+    got = qc.allreduce(np.float32(2.0))
+    everywhere(got.shape == () and got == 2.0 * WORLD.Get_size(), "0-d result")
+
+
+def test_float16_exact_path_matches_mpi_bit_for_bit():
+    from mpi4py import MPI as M
+    if "e" not in M._typedict:
+        pytest.skip("this MPI has no float16 type: the exact path reduces in float32")
+    x = np.random.default_rng(WORLD.Get_rank()).standard_normal(1000).astype(np.float16)
+    with QuantizedComm(WORLD) as q:
+        got = q.allreduce(x)
+    want = np.empty_like(x)
+    WORLD.Allreduce(x, want)
+    everywhere(got.tobytes() == want.tobytes(), "float16 below the threshold equals MPI")
+
+
+def test_user_op_on_bfloat16_is_type_error(qc):
+    op = MPI.Op.Create(lambda a, b, t: None, commute=True)
+    try:
+        x = np.ones(10, BF16)
+        raises_everywhere(TypeError, lambda: qc.Allreduce(x, np.empty_like(x), op), "bfloat16")
+    finally:
+        op.Free()
+
+
+def test_helper_cache_key_ignores_spelling_of_defaults():
+    import equarx_mpi
+    c = WORLD.Dup()
+    try:
+        x = np.ones(1000, np.float32)
+        for _ in range(2):
+            opts = {} if WORLD.Get_rank() == 0 else {"block_size": 256, "bits": 8}
+            got = equarx_mpi.allreduce(x, c, **opts)
+            everywhere((got == WORLD.Get_size()).all(), "helper result")
+        everywhere(len(c.Get_attr(equarx_mpi.comm._keyval)) == 1, "one cached entry")
+    finally:
+        c.Free()
+
+
+def test_in_place_allgather_range_guard_reads_only_own_block():
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    m = 5000
+    mine = np.random.default_rng(r).standard_normal(m) * 1e-40
+    with QuantizedComm(WORLD, min_quantized_bytes=0) as q:
+        out = np.empty(P * m)
+        q.Allgather(mine, out)
+        stale = np.ones(P * m)          # stale values elsewhere must not matter
+        stale[r * m:(r + 1) * m] = mine
+        q.Allgather(MPI.IN_PLACE, stale)
+    everywhere(out.tobytes() == stale.tobytes(), "in place equals out of place")
+
+
+def test_max_message_bytes_is_a_hard_cap():
+    from equarx_mpi import formats, ring
+    for bits, block, cap in ((8, 4096, 4200), (8, 256, 1040), (32, 256, 1100), (16, 32, 1024)):
+        fmt = formats.make_format(bits, block)
+        plan = ring.Plan("allreduce", fmt, [(0, 100003), (100003, 77777)], 0, 1, block, cap,
+                         lambda n: np.empty(n, np.uint8))
+        sizes = [p.buf.nbytes for step in plan.rs_steps + plan.ag_steps + [plan.rs_first]
+                 for p in step]
+        assert max(sizes) <= cap, (bits, block, cap, max(sizes))
+    raises_everywhere(ValueError, lambda: QuantizedComm(WORLD, bits=32, block_size=4096,
+                                                        max_message_bytes=1024), "one block")
