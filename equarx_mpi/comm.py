@@ -153,20 +153,6 @@ class QuantizedComm:
         self._scratch = {}
 
     # --- lifetime -----------------------------------------------------------
-    @property
-    def comm(self):
-        """The private duplicate communicator (do not send on it)."""
-        self._usable()
-        return self._comm
-
-    @property
-    def size(self):
-        return self.comm.Get_size()
-
-    @property
-    def rank(self):
-        return self.comm.Get_rank()
-
     def free(self):
         """Collective: release the duplicate communicator and workspace."""
         if self._comm is not None:
