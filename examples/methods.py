@@ -1,0 +1,44 @@
+"""The AllReduce methods the examples compare, in one table.
+
+Each name maps to QuantizedComm options, or None for mpi4py's exact
+``comm.Allreduce``.  ``make_reducers(comm, names)`` returns, per name, a
+function ``reduce(buf)`` that sums ``buf`` over the ranks in place.
+New library methods (algorithms, wire formats) are one line here.
+"""
+from mpi4py import MPI
+
+from equarx_mpi import QuantizedComm
+
+METHODS = {
+    "mpi": None,                                         # exact, what MPI codes use today
+    "bf16": dict(bits=16, min_quantized_bytes=0),        # uncompressed 16-bit ring
+    "int8": dict(bits=8, min_quantized_bytes=0),         # EQuARX int8 ring, every size
+}
+
+
+class Reducers(dict):
+    """name -> reduce(buf) (in-place SUM over ``comm``); ``free()`` releases
+    the library's communicators.  Collective: every rank passes the same names."""
+
+    def __init__(self, comm, names):
+        super().__init__()
+        self._qcs = []
+        for name in names:
+            opts = METHODS[name]
+            if opts is None:
+                self[name] = lambda buf, c=comm: c.Allreduce(MPI.IN_PLACE, buf)
+            else:
+                qc = QuantizedComm(comm, **opts)
+                self._qcs.append(qc)
+                self[name] = lambda buf, q=qc: q.Allreduce(MPI.IN_PLACE, buf)
+
+    def free(self):
+        for qc in self._qcs:
+            qc.free()
+        self._qcs = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.free()
