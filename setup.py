@@ -2,7 +2,7 @@ from setuptools import setup
 
 setup(
     name="equarx_mpi",
-    version="0.1.0",
+    version="0.2.0",
     description="Block-quantized (int8) AllReduce for mpi4py, after EQuARX (arXiv 2506.17615)",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",

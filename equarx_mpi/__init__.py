@@ -8,13 +8,15 @@
 The MPI-facing names load on first use, so ``python -m equarx_mpi.cluster``
 (a launcher) does not initialize MPI itself.
 """
-__version__ = "0.1.0"
-__all__ = ["QuantizedComm", "allreduce", "abort_on_exception", "QUANTIZED_DTYPES",
-           "__version__"]
+__version__ = "0.2.0"
+__all__ = ["QuantizedComm", "CallInfo", "allreduce", "abort_on_exception",
+           "QUANTIZED_DTYPES", "__version__"]
+_WHERE = {"QuantizedComm": "comm", "CallInfo": "comm", "allreduce": "helper",
+          "abort_on_exception": "agree", "QUANTIZED_DTYPES": "validate"}
 
 
 def __getattr__(name):
-    if name in __all__:
-        from . import comm
-        return getattr(comm, name)
+    if name in _WHERE:
+        import importlib
+        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     raise AttributeError(f"module 'equarx_mpi' has no attribute {name!r}")

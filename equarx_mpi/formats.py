@@ -1,96 +1,133 @@
 """Wire formats: how a piece of values is laid out in a message, and which
-kernels turn values into that layout and back.
+kernels turn values into that layout and back.  The one place schedules
+go through; they never look inside a format.
 
-A format knows nothing about communication; the ring in ``ring.py`` asks
-it for byte counts and calls these four operations on pieces:
+A format is bound to the kernel element type of the input (the header of
+an int8 block is in the accumulation type, so its size depends on it) and
+offers, on pieces (1-D kernel views; ``w`` is what ``views`` returns):
 
-    encode(src, w)                     w = Q(src)
-    decode(w, out)                     out = D(w)
-    decode_reduce(own, w, out, op)     out = own (op) D(w)
-    decode_reduce_encode(own, wi, wo, op)   wo = Q(own (op) D(wi)); wi may be wo
+    encode(src, w, rmode)                  w = Q(src)
+    decode(w, out) -> skipped              out = D(w)
+    decode_reduce(own, w, out, op) -> skipped     out = own (op) D(w)
+    decode_reduce_encode(own, wi, wo, op, rmode)  wo = Q(own (op) D(wi)); wi may be wo
 
-``src``/``own`` are read-only 1-D views in the kernel element type (see
-kernels.py), ``out`` a writable one.  A piece's bytes are padded to a multiple
-of 8 so the next piece's views stay aligned.
+Decodes skip (leave untouched) the blocks holding Inf or NaN, or whose
+values would overflow out's type, and return their indices (valid until
+the next decode); the caller reduces those blocks exactly (exact.py).  A piece's bytes are
+padded to a multiple of 8 so the next piece's views stay aligned.
 """
 import numpy as np
 
 from . import kernels as K
 
+WIRES = ("int8", "bf16", "fp32")
+#: the legacy ``bits=`` option
+BITS_TO_WIRE = {8: "int8", 16: "bf16", 32: "fp32"}
 
-def _pad8(n):
+
+def pad8(n):
     return (n + 7) & ~7
 
 
-class Int8Block:
-    """Dynamic block-wise symmetric int8: per block one float32 scale,
-    then the int8 codes (docs/FORMAT.md)."""
+def acc_dtype(kdtype):
+    """Accumulation type for a kernel element type."""
+    return np.dtype(np.float64) if kdtype == np.float64 else np.dtype(np.float32)
+
+
+class _Format:
+    def __init__(self, block, kdtype):
+        self.block = block
+        self.scratch = np.empty(block, acc_dtype(kdtype))
+        self._skipped = np.empty(0, np.int64)
+
+    def _skip(self, n):
+        """A buffer for the indices of skipped blocks of an n-value piece."""
+        nb = -(-n // self.block)
+        if self._skipped.size < nb:
+            self._skipped = np.empty(nb, np.int64)
+        return self._skipped
+
+
+class Int8Block(_Format):
+    """Dynamic block-wise symmetric int8: per block its largest magnitude
+    in the accumulation type, then the int8 codes (docs/FORMAT.md)."""
     name = "int8"
-    bits = 8
 
-    def __init__(self, block_size):
-        self.block = block_size
+    def __init__(self, block, kdtype):
+        super().__init__(block, kdtype)
+        self.head = acc_dtype(kdtype)
 
     def nbytes(self, n):
-        nb = -(-n // self.block)
-        return _pad8(4 * nb + n)
+        return pad8(self.head.itemsize * -(-n // self.block) + n)
 
     def views(self, buf, n):
-        nb = -(-n // self.block)
-        return buf[:4 * nb].view(np.float32), buf[4 * nb:4 * nb + n].view(np.int8)
+        h = self.head.itemsize * -(-n // self.block)
+        return buf[:h].view(self.head), buf[h:h + n].view(np.int8)
 
-    def encode(self, src, w, scratch):
-        K.i8_encode(src, w[0], w[1], self.block, scratch)
+    def encode(self, src, w, rmode):
+        K.i8_encode(src, w[0], w[1], self.block, self.scratch, rmode)
 
-    def decode(self, w, out, scratch):
-        K.i8_decode(w[0], w[1], out, self.block, scratch)
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.i8_decode(w[0], w[1], out, self.block, skipped)]
 
-    def decode_reduce(self, own, w, out, op, scratch):
-        K.i8_decode_reduce(own, w[0], w[1], out, self.block, op, scratch)
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.i8_decode_reduce(own, w[0], w[1], out, self.block, op,
+                                           self.scratch, skipped)]
 
-    def decode_reduce_encode(self, own, wi, wo, op, scratch):
-        K.i8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1],
-                                  self.block, op, scratch)
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.i8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
+                                  self.scratch, rmode)
 
 
-class Plain:
-    """Uncompressed values on the wire (bfloat16 or float32): the baselines
-    the paper compares against.  Partial sums are rounded to the wire type
-    at every hop, like any 16-bit ring AllReduce."""
 
-    def __init__(self, name, wire_dtype, kernel_dtype):
+class Plain(_Format):
+    """Uncompressed values on the wire: the baselines the paper compares
+    against.  "bf16" carries bfloat16, except for float16 input, which
+    travels as float16 (bfloat16 would lose three of its bits and overflow
+    its largest values); "fp32" carries float32."""
+
+    def __init__(self, name, block, kdtype):
+        super().__init__(block, kdtype)
         self.name = name
-        self.bits = 8 * np.dtype(wire_dtype).itemsize
-        self._kdt = np.dtype(kernel_dtype)
+        if name == "fp32":
+            self.wire = np.dtype(np.float32)
+        else:
+            self.wire = np.dtype(np.int16 if kdtype == np.int16 else np.uint16)
 
     def nbytes(self, n):
-        return _pad8(n * self._kdt.itemsize)
+        return pad8(n * self.wire.itemsize)
 
     def views(self, buf, n):
-        return buf[:n * self._kdt.itemsize].view(self._kdt)
+        return buf[:n * self.wire.itemsize].view(self.wire)
 
-    def encode(self, src, w, scratch):
+    def encode(self, src, w, rmode):
         K.plain_encode(src, w)
 
-    def decode(self, w, out, scratch):
-        K.plain_decode(w, out)
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.plain_decode(w, out, self.block, skipped)]
 
-    def decode_reduce(self, own, w, out, op, scratch):
-        K.plain_decode_reduce(own, w, out, op)
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.plain_decode_reduce(own, w, out, self.block, op, self.scratch,
+                                              skipped)]
 
-    def decode_reduce_encode(self, own, wi, wo, op, scratch):
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
         K.plain_decode_reduce_encode(own, wi, wo, op)
 
 
-def make_format(bits, block_size):
-    """The wire format for ``bits``: 8 = int8 blocks, 16 = bfloat16, 32 = float32."""
-    if bits == 8:
-        return Int8Block(block_size)
-    if bits == 16:
-        return Plain("bf16", np.uint16, np.uint16)
-    if bits == 32:
-        return Plain("fp32", np.float32, np.float32)
-    raise ValueError(f"bits must be 8, 16 or 32, not {bits!r}")
+def make_format(wire, block, kdtype):
+    """The format for wire name ``wire`` and inputs of kernel type ``kdtype``."""
+    kdtype = np.dtype(kdtype)
+    if wire == "int8":
+        return Int8Block(block, kdtype)
+    if wire in ("bf16", "fp32"):
+        return Plain(wire, block, kdtype)
+    raise ValueError(f"wire must be one of {WIRES}, not {wire!r}")
 
 
-SUPPORTED_BITS = (8, 16, 32)
+def max_block_bytes(wire, block):
+    """The most bytes one block can take on the wire (any input type)."""
+    return max(make_format(wire, block, dt).nbytes(block) for dt in (np.float32, np.float64))

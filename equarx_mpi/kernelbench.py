@@ -46,15 +46,15 @@ class Native:
         lib = ctypes.CDLL(path)
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         sigs = {
-            "eqx_encode_f32": [p, i64, i64, p, p],
-            "eqx_decode_f32": [p, p, i64, i64, p],
-            "eqx_decode_reduce_sum_f32": [p, p, p, i64, i64, p],
-            "eqx_decode_reduce_encode_sum_f32": [p, p, p, p, p, i64, i64, p],
-            "eqx_copy_f32": [p, p, i64],
+            "eqx_encode_f32": ([p, i64, i64, p, p], None),
+            "eqx_decode_f32": ([p, p, i64, i64, p], i64),
+            "eqx_decode_reduce_sum_f32": ([p, p, p, i64, i64, p, p], i64),
+            "eqx_decode_reduce_encode_sum_f32": ([p, p, p, p, p, i64, i64, p], None),
+            "eqx_copy_f32": ([p, p, i64], None),
         }
-        for name, args in sigs.items():
+        for name, (args, res) in sigs.items():
             getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = res
         self.lib = lib
 
     @staticmethod
@@ -66,25 +66,26 @@ class Native:
             raise ValueError("output array is read-only")
         return a.ctypes.data
 
-    def i8_encode(self, src, scales, codes, block):
+    def i8_encode(self, src, heads, codes, block):
         self.lib.eqx_encode_f32(self._ptr(src, np.float32), src.size, block,
-                                self._ptr(scales, np.float32, True),
+                                self._ptr(heads, np.float32, True),
                                 self._ptr(codes, np.int8, True))
 
-    def i8_decode(self, scales, codes, out, block):
-        self.lib.eqx_decode_f32(self._ptr(scales, np.float32), self._ptr(codes, np.int8),
-                                out.size, block, self._ptr(out, np.float32, True))
+    def i8_decode(self, heads, codes, out, block):
+        return self.lib.eqx_decode_f32(self._ptr(heads, np.float32), self._ptr(codes, np.int8),
+                                       out.size, block, self._ptr(out, np.float32, True))
 
-    def i8_decode_reduce(self, own, scales, codes, out, block):
-        self.lib.eqx_decode_reduce_sum_f32(
-            self._ptr(own, np.float32), self._ptr(scales, np.float32),
-            self._ptr(codes, np.int8), own.size, block, self._ptr(out, np.float32, True))
+    def i8_decode_reduce(self, own, heads, codes, out, block, scratch):
+        return self.lib.eqx_decode_reduce_sum_f32(
+            self._ptr(own, np.float32), self._ptr(heads, np.float32),
+            self._ptr(codes, np.int8), own.size, block, self._ptr(out, np.float32, True),
+            self._ptr(scratch, np.float32, True))
 
-    def i8_decode_reduce_encode(self, own, scales_in, codes_in, scales_out, codes_out,
+    def i8_decode_reduce_encode(self, own, heads_in, codes_in, heads_out, codes_out,
                                 block, scratch):
         self.lib.eqx_decode_reduce_encode_sum_f32(
-            self._ptr(own, np.float32), self._ptr(scales_in, np.float32),
-            self._ptr(codes_in, np.int8), self._ptr(scales_out, np.float32, True),
+            self._ptr(own, np.float32), self._ptr(heads_in, np.float32),
+            self._ptr(codes_in, np.int8), self._ptr(heads_out, np.float32, True),
             self._ptr(codes_out, np.int8, True), own.size, block,
             self._ptr(scratch, np.float32, True))
 
@@ -123,26 +124,27 @@ def bench(n, block, repeat, native):
     other = rng.standard_normal(n).astype(np.float32)
     nb = -(-n // block)
     sc, co = np.empty(nb, np.float32), np.empty(n, np.int8)
-    K.i8_encode(other, sc, co, block, np.empty(block, np.float32))
+    K.i8_encode(other, sc, co, block, np.empty(block, np.float32), K.ROUND_NEAREST)
     sc_w, co_w = sc.copy(), co.copy()           # the fused hop's in-place wire
     out = np.empty(n, np.float32)
     scratch = np.empty(block, np.float32)
+    skip = np.empty(nb, np.int64)
     own.flags.writeable = False
     p = {name: a.ctypes.data for name, a in
          dict(own=own, sc=sc, co=co, sc_w=sc_w, co_w=co_w, out=out, scratch=scratch).items()}
     lib = native.lib
     cases = {
-        "encode": (lambda: K.i8_encode(own, sc_w, co_w, block, scratch),
+        "encode": (lambda: K.i8_encode(own, sc_w, co_w, block, scratch, K.ROUND_NEAREST),
                    lambda: lib.eqx_encode_f32(p["own"], n, block, p["sc_w"], p["co_w"])),
-        "decode": (lambda: K.i8_decode(sc, co, out, block, scratch),
+        "decode": (lambda: K.i8_decode(sc, co, out, block, skip),
                    lambda: lib.eqx_decode_f32(p["sc"], p["co"], n, block, p["out"])),
         "decode_reduce": (
-            lambda: K.i8_decode_reduce(own, sc, co, out, block, K.OP_SUM, scratch),
+            lambda: K.i8_decode_reduce(own, sc, co, out, block, K.OP_SUM, scratch, skip),
             lambda: lib.eqx_decode_reduce_sum_f32(p["own"], p["sc"], p["co"], n, block,
-                                                  p["out"])),
+                                                  p["out"], p["scratch"])),
         "decode_reduce_encode": (
             lambda: K.i8_decode_reduce_encode(own, sc_w, co_w, sc_w, co_w, block,
-                                              K.OP_SUM, scratch),
+                                              K.OP_SUM, scratch, K.ROUND_NEAREST),
             lambda: lib.eqx_decode_reduce_encode_sum_f32(
                 p["own"], p["sc_w"], p["co_w"], p["sc_w"], p["co_w"], n, block,
                 p["scratch"])),

@@ -5,7 +5,8 @@ sum of shard (r-k-1) to the right neighbour, receive shard (r-k-2) from the
 left, reduce our own values into it and requantize it for the next step.
 After the last step rank r holds shard r fully reduced; it quantizes it once
 and the all-gather forwards those bytes unchanged around the ring, so every
-rank (the owner included) decodes identical bytes into identical results.
+rank (the owner included) decodes identical bytes into identical results,
+and knows the same flagged blocks.
 
 Every shard is cut into block-aligned pieces, each its own message: the
 kernel of one piece runs while the next is on the wire, and a piece is
@@ -100,25 +101,38 @@ def _fail(comm, exc):
     comm.Abort(1)
 
 
-def run(comm, plan, fmt, own, out, op, scratch, own_offset=0, out_offset=0):
+def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0):
     """Execute ``plan``.  own is the read-only input and out the output (kernel
-    views); own[i] is global element i + own_offset, out[i] is i + out_offset."""
+    views); own[i] is global element i + own_offset, out[i] is i + out_offset.
+    Returns the global (lo, hi) ranges of the blocks the final decodes
+    skipped (flagged: Inf or NaN inside), for an exact fix-up."""
     try:
-        _run(comm, plan, fmt, own, out, op, scratch, own_offset, out_offset)
+        return _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset)
     except BaseException as exc:
         _fail(comm, exc)
         raise
 
 
-def _run(comm, plan, fmt, own, out, op, scratch, own_offset, out_offset):
+def block_ranges(p, blocks, B):
+    """The global (lo, hi) of blocks ``blocks`` of piece p."""
+    return [(p.lo + int(k) * B, min(p.lo + (int(k) + 1) * B, p.hi)) for k in blocks]
+
+
+def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
     P = plan.P
     left, right = (plan.rank - 1) % P, (plan.rank + 1) % P
     recvs = [comm.Irecv(p.buf, left, TAG)
              for step in plan.rs_steps + plan.ag_steps for p in step]
-    sends = []
+    sends, flagged = [], []
     nxt = iter(recvs)
+
+    def decode(p, dst):
+        skipped = fmt.decode(p.w, dst)
+        if skipped.size:
+            flagged.extend(block_ranges(p, skipped, fmt.block))
+
     for p in plan.rs_first:
-        fmt.encode(own[p.lo:p.hi], p.w, scratch)
+        fmt.encode(own[p.lo:p.hi], p.w, rmode)
         sends.append(comm.Isend(p.buf, right, TAG))
     for k, step in enumerate(plan.rs_steps):
         last = k == P - 2
@@ -126,25 +140,27 @@ def _run(comm, plan, fmt, own, out, op, scratch, own_offset, out_offset):
             next(nxt).Wait()
             mine = own[p.lo:p.hi]
             if not last:
-                fmt.decode_reduce_encode(mine, p.w, p.w, op, scratch)
+                fmt.decode_reduce_encode(mine, p.w, p.w, op, rmode)
                 sends.append(comm.Isend(p.buf, right, TAG))
             elif plan.kind == "reduce_scatter":
-                dst = out[p.lo - out_offset:p.hi - out_offset]
-                fmt.decode_reduce(mine, p.w, dst, op, scratch)
+                skipped = fmt.decode_reduce(mine, p.w, out[p.lo - out_offset:p.hi - out_offset],
+                                            op)
+                flagged.extend(block_ranges(p, skipped, fmt.block))
             else:
                 q = plan.ag_own[j]
-                fmt.decode_reduce_encode(mine, p.w, q.w, op, scratch)
+                fmt.decode_reduce_encode(mine, p.w, q.w, op, rmode)
                 sends.append(comm.Isend(q.buf, right, TAG))
-                fmt.decode(q.w, out[q.lo:q.hi], scratch)
+                decode(q, out[q.lo:q.hi])
     if plan.kind == "allgather":
         for q in plan.ag_own:
-            fmt.encode(own[q.lo - own_offset:q.hi - own_offset], q.w, scratch)
+            fmt.encode(own[q.lo - own_offset:q.hi - own_offset], q.w, rmode)
             sends.append(comm.Isend(q.buf, right, TAG))
-            fmt.decode(q.w, out[q.lo:q.hi], scratch)
+            decode(q, out[q.lo:q.hi])
     for k, step in enumerate(plan.ag_steps):
         for p in step:
             next(nxt).Wait()
             if k < P - 2:
                 sends.append(comm.Isend(p.buf, right, TAG))
-            fmt.decode(p.w, out[p.lo:p.hi], scratch)
+            decode(p, out[p.lo:p.hi])
     MPI.Request.Waitall(sends)
+    return flagged

@@ -1,114 +1,61 @@
-/* C reference of the int8 block wire format, float32 input (the format is
- * described at the top of equarx_mpi/kernels.py); bit for bit the same
- * results as the numba kernels, and the speed they are measured against.
+/* C reference of the int8 block wire format, float32 input (docs/FORMAT.md,
+ * equarx_mpi/kernels/int8.py); bit for bit the same results as the numba
+ * kernels, and the speed they are measured against.
  *
- * Built with -ffp-contract=off: a fused multiply-add in decode-reduce would
- * round once where the format rounds twice. */
+ *   header a  = max |x| of the block             (float)
+ *   code   c  = rint(x * r), r = 127 / a         (ties to even)
+ *   decoded   = (c * k) * a,  k = 1 / 127
+ *
+ * a = 0: codes 0 / -1 keep the sign of each zero.  A block holding Inf or
+ * NaN is flagged: a = +Inf, codes 0, and decoding skips it.  For a < 2^-120
+ * (r would overflow) values and a are first scaled by 2^64 (exact).
+ *
+ * Built with -ffp-contract=off: a fused multiply-add would round once where
+ * the format rounds twice. */
 #include <float.h>
 #include <math.h>
 #include <string.h>
 #include "equarx_ref.h"
 
-/* Codes with a meaning of their own in flagged blocks (a block holding Inf
- * or NaN; its scale has the sign bit set). */
-#define CODE_POS_INF 127
-#define CODE_NEG_INF (-127)
-#define CODE_NAN (-128)
+#define LEVELS 127.0f
+#define TINY 0x1p-120f
+#define LIFT 0x1p64f
 
 static uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-#define INF_BITS 0x7F800000u
 static uint32_t abs_bits(float v) { return f2u(v) & 0x7FFFFFFFu; }
 
-static int flagged(float scale) { return (f2u(scale) & 0x80000000u) != 0; }
+#define INF_BITS 0x7F800000u
 
-/* Decoded code c of a flagged block. */
-static float dequant_flagged(int8_t c, float s)
-{
-    if (c == CODE_POS_INF) return INFINITY;
-    if (c == CODE_NEG_INF) return -INFINITY;
-    if (c == CODE_NAN) return NAN;
-    return (float)c * s;
-}
-
-/* codes = clamp(rint(v / scale), -127, 127) for a block of finite values.
- * With a normal scale no clamp is needed: the scale is absmax/127 rounded
- * once to float32, so |v / scale| <= 127 (1 + 2^-23) and rint gives at most
- * 127. */
-static void quantize(const float *restrict v, int64_t m, float s,
-                     int8_t *restrict codes)
-{
-    if (s >= FLT_MIN) {
-        for (int64_t j = 0; j < m; j++)
-            codes[j] = (int8_t)(int32_t)rintf(v[j] / s);
-    } else if (s == 0.0f) {
-        memset(codes, 0, (size_t)m);
-    } else {
-        /* subnormal scale: clamping before rint is the same as after (rint
-         * is monotone and fixes +-127) */
-        for (int64_t j = 0; j < m; j++) {
-            float q = v[j] / s;
-            q = q > -127.0f ? q : -127.0f;
-            q = q < 127.0f ? q : 127.0f;
-            codes[j] = (int8_t)(int32_t)rintf(q);
-        }
-    }
-}
-
-/* A block holding Inf or NaN: finite values clamp to +-126, the rest take
- * the special codes. */
-static void quantize_flagged(const float *v, int64_t m, float s, int8_t *codes)
-{
-    for (int64_t j = 0; j < m; j++) {
-        float x = v[j];
-        int c;
-        if (fabsf(x) < INFINITY) {
-            if (s == 0.0f) {
-                c = 0;
-            } else {
-                float q = x / s;
-                q = q > -126.0f ? q : -126.0f;
-                q = q < 126.0f ? q : 126.0f;
-                c = (int)rintf(q);
-            }
-        } else if (x > 0) {
-            c = CODE_POS_INF;
-        } else if (x < 0) {
-            c = CODE_NEG_INF;
-        } else {
-            c = CODE_NAN;
-        }
-        codes[j] = (int8_t)c;
-    }
-}
-
-/* One block of values v[:m] (largest magnitude bits max_u) to its scale and
- * codes; returns the scale as sent. */
+/* One block v[:m] (largest magnitude bits max_u) to its codes; returns the
+ * header. */
 static float emit_block(const float *restrict v, int64_t m, uint32_t max_u,
                         int8_t *restrict codes)
 {
-    int finite = max_u < INF_BITS;
-    if (!finite) {                       /* the absmax is over finite values */
-        max_u = 0;
+    if (max_u >= INF_BITS) {
+        memset(codes, 0, (size_t)m);
+        return INFINITY;
+    }
+    if (max_u == 0) {
         for (int64_t j = 0; j < m; j++)
-            if (abs_bits(v[j]) < INF_BITS && abs_bits(v[j]) > max_u)
-                max_u = abs_bits(v[j]);
+            codes[j] = (int8_t)-(int32_t)(f2u(v[j]) >> 31);
+        return 0.0f;
     }
-    float amax = u2f(max_u);
-    float scale = (float)((double)amax / (finite ? 127.0 : 126.0));
-    if (scale == 0.0f && amax > 0.0f)
-        scale = u2f(1u);                 /* smallest subnormal */
-    if (finite) {
-        quantize(v, m, scale, codes);
-        return scale;
+    float a = u2f(max_u);
+    if (a >= TINY) {
+        float r = LEVELS / a;
+        for (int64_t j = 0; j < m; j++)
+            codes[j] = (int8_t)(int32_t)rintf(v[j] * r);
+    } else {
+        float r = LEVELS / (a * LIFT);
+        for (int64_t j = 0; j < m; j++)
+            codes[j] = (int8_t)(int32_t)rintf((v[j] * LIFT) * r);
     }
-    quantize_flagged(v, m, scale, codes);
-    return u2f(f2u(scale) | 0x80000000u);
+    return a;
 }
 
 void eqx_encode_f32(const float *src, int64_t n, int64_t block,
-                    float *scales, int8_t *codes)
+                    float *heads, int8_t *codes)
 {
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t m = n - lo < block ? n - lo : block;
@@ -116,67 +63,79 @@ void eqx_encode_f32(const float *src, int64_t n, int64_t block,
         uint32_t max_u = 0;
         for (int64_t j = 0; j < m; j++)
             max_u = abs_bits(v[j]) > max_u ? abs_bits(v[j]) : max_u;
-        scales[b] = emit_block(v, m, max_u, codes + lo);
+        heads[b] = emit_block(v, m, max_u, codes + lo);
     }
 }
 
-void eqx_decode_f32(const float *scales, const int8_t *codes, int64_t n,
-                    int64_t block, float *out)
+int64_t eqx_decode_f32(const float *heads, const int8_t *codes, int64_t n,
+                       int64_t block, float *out)
 {
+    const float k = 1.0f / LEVELS;
+    int64_t flagged = 0;
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t m = n - lo < block ? n - lo : block;
         const int8_t *c = codes + lo;
-        float s = fabsf(scales[b]);
-        if (flagged(scales[b]))
-            for (int64_t j = 0; j < m; j++)
-                out[lo + j] = dequant_flagged(c[j], s);
-        else
-            for (int64_t j = 0; j < m; j++)
-                out[lo + j] = (float)c[j] * s;
+        float a = heads[b];
+        if (!(fabsf(a) < INFINITY)) {
+            flagged++;
+            continue;
+        }
+        for (int64_t j = 0; j < m; j++)
+            out[lo + j] = ((float)c[j] * k) * a;
     }
+    return flagged;
 }
 
-void eqx_decode_reduce_sum_f32(const float *own, const float *scales,
-                               const int8_t *codes, int64_t n, int64_t block,
-                               float *out)
+int64_t eqx_decode_reduce_sum_f32(const float *own, const float *heads,
+                                  const int8_t *codes, int64_t n, int64_t block,
+                                  float *out, float *scratch)
 {
+    const float k = 1.0f / LEVELS;
+    int64_t flagged = 0;
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t m = n - lo < block ? n - lo : block;
         const int8_t *c = codes + lo;
-        float s = fabsf(scales[b]);
-        if (flagged(scales[b]))
-            for (int64_t j = 0; j < m; j++)
-                out[lo + j] = own[lo + j] + dequant_flagged(c[j], s);
-        else
-            for (int64_t j = 0; j < m; j++)
-                out[lo + j] = own[lo + j] + (float)c[j] * s;
+        float a = heads[b];
+        uint32_t max_u = 0;
+        if (!(fabsf(a) < INFINITY)) {
+            flagged++;
+            continue;
+        }
+        for (int64_t j = 0; j < m; j++) {
+            scratch[j] = own[lo + j] + ((float)c[j] * k) * a;
+            max_u = abs_bits(scratch[j]) > max_u ? abs_bits(scratch[j]) : max_u;
+        }
+        if (max_u >= INF_BITS) {
+            flagged++;
+            continue;
+        }
+        memcpy(out + lo, scratch, (size_t)m * sizeof(float));
     }
+    return flagged;
 }
 
-void eqx_decode_reduce_encode_sum_f32(const float *own, const float *scales_in,
-                                      const int8_t *codes_in, float *scales_out,
+void eqx_decode_reduce_encode_sum_f32(const float *own, const float *heads_in,
+                                      const int8_t *codes_in, float *heads_out,
                                       int8_t *codes_out, int64_t n, int64_t block,
                                       float *scratch)
 {
+    const float k = 1.0f / LEVELS;
     for (int64_t lo = 0, b = 0; lo < n; lo += block, b++) {
         int64_t m = n - lo < block ? n - lo : block;
         const int8_t *c = codes_in + lo;
         const float *x = own + lo;
         float *restrict v = scratch;
-        float s = fabsf(scales_in[b]);
-        uint32_t max_u = 0;
+        float a = heads_in[b];
+        uint32_t max_u = INF_BITS;
         /* the whole input block is read before any output is written */
-        if (flagged(scales_in[b]))
+        if (fabsf(a) < INFINITY) {
+            max_u = 0;
             for (int64_t j = 0; j < m; j++) {
-                v[j] = x[j] + dequant_flagged(c[j], s);
+                v[j] = x[j] + ((float)c[j] * k) * a;
                 max_u = abs_bits(v[j]) > max_u ? abs_bits(v[j]) : max_u;
             }
-        else
-            for (int64_t j = 0; j < m; j++) {
-                v[j] = x[j] + (float)c[j] * s;
-                max_u = abs_bits(v[j]) > max_u ? abs_bits(v[j]) : max_u;
-            }
-        scales_out[b] = emit_block(v, m, max_u, codes_out + lo);
+        }
+        heads_out[b] = emit_block(v, m, max_u, codes_out + lo);
     }
 }
 

@@ -1,59 +1,94 @@
-"""Plain numpy reference of the int8 wire format (docs/FORMAT.md) and of the
-ring schedule, written from the spec and independent of the numba kernels."""
+"""Plain numpy reference of the wire formats (docs/FORMAT.md) and of the
+ring schedule, written from the spec and independent of the numba kernels.
+
+Besides the bits, ``ring_allreduce(..., with_bound=True)`` gives a rigorous
+per-value error bound along each value's path: for every quantization half
+a step plus the roundoff of encode and decode, for every float addition
+its rounding, and the final cast to the output type."""
 import ml_dtypes
 import numpy as np
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
+LEVELS = 127
+#: |x - D(Q(x))| <= a/127 * (1/2 + STEP_ROUNDOFF * u) + TINY_ABS, for a block
+#: with largest magnitude a, unit roundoff u of the accumulation type
+#: (derivation in docs/FORMAT.md)
+STEP_ROUNDOFF = 640
 
 
 def acc_dtype(dtype):
     return np.float64 if np.dtype(dtype) == np.float64 else np.float32
 
 
+def unit_roundoff(dtype):
+    return {np.dtype(np.float64): 2.0 ** -53, np.dtype(np.float32): 2.0 ** -24,
+            np.dtype(np.float16): 2.0 ** -11, BF16: 2.0 ** -8}[np.dtype(dtype)]
+
+
+def tiny_abs(acc):
+    """Half the smallest subnormal of the accumulation type."""
+    return 2.0 ** -150 if acc == np.float32 else 2.0 ** -1075
+
+
 def to_acc(x):
     return np.asarray(x).reshape(-1).astype(acc_dtype(np.asarray(x).dtype))
 
 
-def quantize(v, block):
-    """v: 1-D float32/float64 values (already in the accumulation type)."""
+def _tiny_lift(acc):
+    return (acc(2.0 ** -120), acc(2.0 ** 64)) if acc == np.float32 else (
+        acc(2.0 ** -1000), acc(2.0 ** 128))
+
+
+def quantize(v, block, rounding="nearest"):
+    """v: 1-D float32/float64 values (already in the accumulation type).
+    Returns (headers in v's type, int8 codes).  Vectorized over blocks; the
+    arithmetic is the spec's, value by value."""
     v = np.asarray(v)
+    acc = v.dtype.type
     n = v.size
     nb = -(-n // block)
-    scales = np.zeros(nb, np.float32)
-    codes = np.zeros(n, np.int8)
-    for b in range(nb):
-        blk = v[b * block:(b + 1) * block]
-        finite = np.isfinite(blk)
-        flagged = not finite.all()
-        levels = 126 if flagged else 127
-        amax = np.abs(blk[finite]).max() if finite.any() else blk.dtype.type(0)
-        scale = np.float32(np.float64(amax) / levels)
-        if scale == 0 and amax > 0:
-            scale = np.float32(1e-45)
-        s = blk.dtype.type(scale)
-        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            q = np.zeros(blk.size) if s == 0 else np.clip(np.rint(blk / s), -levels, levels)
-        q = np.where(blk == np.inf, 127, np.where(blk == -np.inf, -127, q))
-        q = np.where(np.isnan(blk), -128, q)
-        codes[b * block:(b + 1) * block] = q.astype(np.int8)
-        scales[b] = -scale if flagged else scale
-    return scales, codes
+    vp = np.concatenate([v, np.zeros(nb * block - n, v.dtype)]).reshape(nb, block)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        finite = np.isfinite(vp).all(axis=1)
+        a = np.where(finite, np.abs(np.where(np.isfinite(vp), vp, 0)).max(axis=1, initial=0),
+                     acc(np.inf)).astype(v.dtype)
+        tiny, big_lift = _tiny_lift(acc)
+        lift = np.where(a < tiny, big_lift, acc(1)).astype(v.dtype)
+        r = (acc(LEVELS) / (a * lift)).astype(v.dtype)
+        q = (vp * lift[:, None]) * r[:, None]
+        k = acc(1) / acc(LEVELS)
+        if rounding == "nearest":
+            c = np.rint(q)
+        elif rounding == "up":
+            c = np.minimum(np.ceil(q), acc(LEVELS))
+            c = np.where((c * k) * a[:, None] < vp, c + 1, c)
+        else:
+            c = np.maximum(np.floor(q), acc(-LEVELS))
+            c = np.where((c * k) * a[:, None] > vp, c - 1, c)
+        c = np.where(finite[:, None] & (a[:, None] > 0), c, 0)
+        c = np.where((a[:, None] == 0), -np.signbit(vp).astype(v.dtype), c)
+    return a, c.astype(np.int8).reshape(-1)[:n]
 
 
-def dequantize(scales, codes, block, dtype=np.float32):
-    """Values in the accumulation type of ``dtype``."""
-    acc = acc_dtype(dtype)
-    out = np.empty(codes.size, acc)
-    for b in range(scales.size):
-        sc = scales[b]
-        flagged = bool(int(sc.view(np.uint32)) & 0x80000000)
-        c = codes[b * block:(b + 1) * block]
-        v = c.astype(acc) * acc(abs(sc))
-        if flagged:
-            v = np.where(c == 127, np.inf, np.where(c == -127, -np.inf, v))
-            v = np.where(c == -128, np.nan, v).astype(acc)
-        out[b * block:(b + 1) * block] = v
-    return out
+def dequantize(heads, codes, block):
+    """Values in the headers' type; flagged blocks decode as NaN here (the
+    library leaves them to an exact reduction)."""
+    acc = heads.dtype.type
+    k = acc(1) / acc(LEVELS)
+    a = np.repeat(heads, block)[:codes.size]
+    with np.errstate(invalid="ignore"):
+        out = (codes.astype(heads.dtype) * k) * a
+    return np.where(np.isfinite(a), out, np.nan).astype(heads.dtype)
+
+
+def step_bound(heads, block, n, rounding="nearest"):
+    """Per value, the bound on |x - D(Q(x))| of its block (inf if flagged):
+    half a step when rounding to nearest, a whole step when directed."""
+    acc = heads.dtype.type
+    u = unit_roundoff(heads.dtype)
+    a = np.repeat(heads.astype(np.float64), block)[:n]
+    part = 0.5 if rounding == "nearest" else 1.0
+    return a / LEVELS * (part + STEP_ROUNDOFF * u) + tiny_abs(acc)
 
 
 def reduce(op, a, b):
@@ -65,47 +100,96 @@ def reduce(op, a, b):
         return np.where(nan, a + b, pick)
 
 
-def cast_out(acc_values, dtype):
-    return acc_values.astype(dtype)
-
-
-def half_steps(scales, block, n):
-    """Per value, half the quantization step its block used."""
-    return np.repeat(np.abs(scales.astype(np.float64)) / 2, block)[:n]
-
-
 def shard_edges(n, P, block):
     nb = -(-n // block)
     return [min(s * nb // P * block, n) for s in range(P + 1)]
 
 
-def ring_allreduce(inputs, block, op="sum", with_bound=False):
+ROUNDING = {"sum": "nearest", "max": "up", "min": "down"}
+
+
+def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce"):
     """What every rank of the int8 ring returns, for a list of per-rank
-    arrays: simulates the same shards, order and requantization.  With
-    with_bound, also the per-value error bound: half a step per quantization
-    along the value's path."""
+    arrays: the same shards, order and requantization.  Blocks that end
+    flagged (Inf/NaN) are NaN here; the library reduces them exactly.
+
+    kind "reduce_scatter": the P*m inputs are cut into P shards of m (no
+    block balancing) and the last hop reduces at full precision instead of
+    quantizing; the full-length result is returned (rank s keeps shard s).
+
+    With with_bound, also (bound, flagged): a rigorous per-value bound on
+    |result - exact|, and which values were in flagged blocks."""
     P = len(inputs)
     dtype = inputs[0].dtype
+    acc = acc_dtype(dtype)
+    u = unit_roundoff(acc)
     own = [to_acc(x) for x in inputs]
     n = own[0].size
-    result = np.empty(n, acc_dtype(dtype))
+    result = np.empty(n, acc)
     bound = np.zeros(n)
     if P == 1:
         result = inputs[0].copy()
-        return (result, bound) if with_bound else result
-    edges = shard_edges(n, P, block)
+        return (result, bound, np.zeros(n, bool)) if with_bound else result
+    rounding = ROUNDING[op]
+    edges = (shard_edges(n, P, block) if kind == "allreduce"
+             else [s * (n // P) for s in range(P + 1)])
     for s in range(P):
         sl = slice(edges[s], edges[s + 1])
         m = edges[s + 1] - edges[s]
         # shard s starts at rank s+1 and travels right, ending at rank s
         first = (s + 1) % P
-        wire = quantize(own[first][sl], block)
-        bound[sl] += half_steps(wire[0], block, m)
+        wire = quantize(own[first][sl], block, rounding)
+        bound[sl] += step_bound(wire[0], block, m, rounding)
         for hop in range(1, P):
             r = (first + hop) % P
-            acc = reduce(op, own[r][sl], dequantize(*wire, block, dtype))
-            wire = quantize(acc, block)
-            bound[sl] += half_steps(wire[0], block, m)
-        result[sl] = dequantize(*wire, block, dtype)
-    result = cast_out(result, dtype).reshape(inputs[0].shape)
-    return (result, bound) if with_bound else result
+            with np.errstate(invalid="ignore", over="ignore"):
+                part = reduce(op, own[r][sl], dequantize(*wire, block))
+            if op == "sum":                         # rounding of the addition
+                bound[sl] += u * np.abs(part.astype(np.float64))
+            if hop == P - 1 and kind == "reduce_scatter":
+                result[sl] = np.where(_over_limit(part, block, dtype), np.nan, part)
+                break
+            wire = quantize(part, block, rounding)
+            bound[sl] += step_bound(wire[0], block, m, rounding)
+        else:
+            dec = dequantize(*wire, block)
+            heads = np.repeat(wire[0], block)[:m]
+            result[sl] = np.where(_over_limit(heads, 1, dtype), np.nan, dec)
+    flagged = np.isnan(result)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = result.astype(dtype)
+    if np.dtype(dtype) != np.dtype(acc):            # the final cast
+        bound += unit_roundoff(dtype) * np.abs(out.astype(np.float64)) + _half_tiny(dtype)
+    out = out.reshape(inputs[0].shape)
+    return (out, bound, flagged) if with_bound else out
+
+
+def out_limit(dtype):
+    """Magnitudes from which a cast to dtype gives Inf (the library leaves
+    blocks reaching it to the exact path)."""
+    return {np.dtype(np.float16): 65520.0,
+            BF16: float(np.array(0x7F7F8000, np.uint32).view(np.float32))}.get(
+        np.dtype(dtype), np.inf)
+
+
+def _over_limit(values, block, dtype):
+    """Per value: does its block reach out_limit(dtype) (or hold Inf/NaN)?"""
+    lim = out_limit(dtype)
+    with np.errstate(invalid="ignore"):
+        bad = [not (np.abs(values[i:i + block]) < lim).all() for i in range(0, values.size, block)]
+    return np.repeat(bad, block)[:values.size]
+
+
+def _half_tiny(dtype):
+    """Half the smallest subnormal of a 16-bit type (the cast's absolute error floor)."""
+    return 2.0 ** -25 if np.dtype(dtype) == np.float16 else 2.0 ** -134
+
+
+def allgather(segments, block):
+    """What the quantized Allgather returns: each segment quantized once by
+    its owner (blocks start at the segment's start)."""
+    out = []
+    for seg in segments:
+        h, c = quantize(to_acc(seg), block)
+        out.append(dequantize(h, c, block).astype(seg.dtype))
+    return np.concatenate(out)

@@ -1,0 +1,41 @@
+"""``equarx_mpi.allreduce``: one call for scripts, with the QuantizedComm
+cached on the communicator itself."""
+from mpi4py import MPI
+
+from . import options
+from .agree import agree
+from .comm import QuantizedComm
+
+_keyval = None
+
+
+def _drop_cached(comm, keyval, cached):
+    for qc in cached.values():
+        qc.free()
+
+
+def allreduce(x, comm=None, op=MPI.SUM, **opts):
+    """op over the ranks of ``comm`` (default COMM_WORLD) of array x, as a new
+    array.  The QuantizedComm for (comm, options) is created on first use and
+    cached on ``comm`` itself (an MPI attribute), freed with ``comm``.
+
+    Collective.  The ranks first agree on the options (one tiny Allreduce on
+    ``comm``): different or misspelled options on some ranks raise the same
+    error on every rank instead of leaving them in different collectives."""
+    global _keyval
+    comm = MPI.COMM_WORLD if comm is None else comm
+    try:
+        key, err = tuple(sorted(options.resolve(opts).items())), None
+    except (TypeError, ValueError) as e:
+        key, err = None, e
+    agree(comm, "equarx_mpi.allreduce", [("options", str(key))], err)
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=_drop_cached)
+    cached = comm.Get_attr(_keyval)
+    if cached is None:
+        cached = {}
+        comm.Set_attr(_keyval, cached)
+    qc = cached.get(key)
+    if qc is None:
+        qc = cached[key] = QuantizedComm(comm, **dict(key))
+    return qc.allreduce(x, op)

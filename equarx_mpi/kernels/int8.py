@@ -1,0 +1,225 @@
+"""int8 blocks (docs/FORMAT.md).  Per block of B values (the last block of
+a piece may be short), in the accumulation type A (float64 for float64
+input, float32 otherwise):
+
+    header  a  = max |x|                 the block's largest magnitude, in A
+    code    c  = rint(x * r),  r = 127 / a     (ties to even; r rounded once
+                                                to A, exponent unbounded)
+    decoded x' = (c * k) * a,  k = 1 / 127     (k rounded once to A)
+
+Because fl(127 * k) == 1 in float32 and float64, code +-127 decodes to
+exactly +-a: a block's largest magnitude, a constant block and a 0/1 mask
+come back exactly, and |x'| <= a, so no finite value decodes to Inf.  Every
+other value is within half a step (a/127/2) plus a few units in the last
+place.  "Exponent unbounded": for a < TINY (where r would overflow) the
+values and a are first multiplied by the power of two LIFT, which changes
+no rounding.
+
+An all-zero block has a = 0 and codes 0 (+0.0) or -1 (-0.0): decoding gives
+(c * k) * 0, so every zero keeps its sign.  A block holding Inf or NaN is
+*flagged*: a = +Inf and codes 0.  Decoding skips flagged blocks (they are
+left untouched, their indices written to ``skipped``) and the caller
+reduces them exactly; a fused hop turns a flagged input block into a
+flagged output block.  Decoding into a 16-bit type also skips a block
+whose largest magnitude rounds to Inf there (common.out_limit).
+
+Directed rounding (ROUND_UP / ROUND_DOWN, for MAX / MIN) takes the ceiling
+or floor and then checks the decoded value, so x' >= x (or <= x) always.
+Inner loops index with uint64 (numba then skips negative-index wraparound,
+which would turn vector loads into gathers) and call no helper that
+returns a tuple (LLVM does not vectorize through those).
+"""
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from .common import (CACHE, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, as_acc,
+                     from_abs_bits, load, out_limit, reduce2, sign_code, store)
+
+LEVELS = 127
+_U = np.uint64
+
+
+def tiny_lift(like):
+    """(TINY, LIFT) in like's type: below TINY, 127/a would overflow."""
+
+
+@overload(tiny_lift, jit_options=CACHE)
+def _tiny_lift(like):
+    if like == types.float32:
+        return lambda like: (np.float32(2.0 ** -120), np.float32(2.0 ** 64))
+    if like == types.float64:
+        return lambda like: (np.float64(2.0 ** -1000), np.float64(2.0 ** 128))
+
+
+def block_values(src, lo, m, scratch):
+    """(values, offset, largest magnitude bits) of src[lo:lo+m] in the
+    accumulation type: src itself when it holds that type, else a converted
+    copy in scratch."""
+
+
+@overload(block_values, jit_options=CACHE)
+def _block_values(src, lo, m, scratch):
+    if src.dtype == types.float32 or src.dtype == types.float64:
+        def direct(src, lo, m, scratch):
+            mx = abs_bits(as_acc(scratch, 0))
+            for j in range(m):
+                mx = max(mx, abs_bits(src[_U(lo + j)]))
+            return src, lo, mx
+        return direct
+
+    def converted(src, lo, m, scratch):
+        mx = abs_bits(as_acc(scratch, 0))
+        for j in range(m):
+            v = load(src, _U(lo + j))
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
+        return scratch, 0, mx
+    return converted
+
+
+@njit(**CACHE)
+def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
+    """Quantize vals[off:off+m] (accumulation type; largest magnitude bits
+    max_u) into header[b] and codes[lo:lo+m]."""
+    zero = as_acc(header, 0)
+    if max_u >= abs_bits(as_acc(header, np.inf)):
+        header[b] = np.inf                       # flagged: Inf or NaN inside
+        for j in range(m):
+            codes[_U(lo + j)] = 0
+        return
+    if max_u == abs_bits(zero):
+        header[b] = zero
+        for j in range(m):
+            codes[_U(lo + j)] = sign_code(vals[_U(off + j)])
+        return
+    a = from_abs_bits(max_u, zero)
+    header[b] = a
+    tiny, lift = tiny_lift(zero)
+    levels = as_acc(header, LEVELS)
+    if a < tiny:
+        r = levels / (a * lift)
+    else:
+        lift = as_acc(header, 1)
+        r = levels / a
+    if rmode != ROUND_NEAREST:
+        k = as_acc(header, 1) / levels
+        _directed(vals, off, m, lift, r, a, k, levels, codes, lo, rmode == ROUND_UP)
+    elif lift == 1:
+        for j in range(m):
+            codes[_U(lo + j)] = np.int8(np.rint(vals[_U(off + j)] * r))
+    else:
+        for j in range(m):
+            codes[_U(lo + j)] = np.int8(np.rint((vals[_U(off + j)] * lift) * r))
+
+
+@njit(**CACHE)
+def _directed(vals, off, m, lift, r, a, k, levels, codes, lo, up):
+    """Ceiling (up) or floor codes, corrected so the decoded value never
+    falls below (above) the value: the roundings of r and of the decode can
+    otherwise cross it.  Code +-127 decodes to +-a, so no correction leaves
+    the code range."""
+    for j in range(m):
+        x = vals[_U(off + j)]
+        q = (x * lift) * r
+        if up:
+            c = min(np.ceil(q), levels)
+            if (c * k) * a < x:
+                c += 1
+        else:
+            c = max(np.floor(q), -levels)
+            if (c * k) * a > x:
+                c -= 1
+        codes[_U(lo + j)] = np.int8(c)
+
+
+@njit(**CACHE)
+def i8_encode(src, header, codes, block, scratch, rmode):
+    """(header, codes) = Q(src)."""
+    n = src.size
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        vals, off, max_u = block_values(src, lo, m, scratch)
+        emit(vals, off, m, max_u, header, b, codes, lo, rmode)
+
+
+@njit(**CACHE)
+def i8_decode(header, codes, out, block, skipped):
+    """out = D(header, codes); flagged blocks are skipped.  Returns their
+    number; their indices are in skipped[:number]."""
+    n = out.size
+    k = as_acc(header, 1) / as_acc(header, LEVELS)
+    limit = out_limit(out)
+    flagged = 0
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        a = header[b]
+        if not abs(a) < limit:
+            skipped[flagged] = b
+            flagged += 1
+            continue
+        for j in range(m):
+            i = _U(lo + j)
+            store(out, i, (as_acc(header, codes[i]) * k) * a)
+    return flagged
+
+
+@njit(**CACHE)
+def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
+    """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
+    magnitude bits (those of Inf for a flagged block, scratch unset)."""
+    a = header[b]
+    mx = abs_bits(as_acc(header, 0))
+    if not abs(a) < np.inf:
+        return abs_bits(as_acc(header, np.inf))
+    if op == OP_SUM:
+        for j in range(m):
+            i = _U(lo + j)
+            v = load(own, i) + (as_acc(header, codes[i]) * k) * a
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
+    else:
+        for j in range(m):
+            i = _U(lo + j)
+            v = reduce2(op, load(own, i), (as_acc(header, codes[i]) * k) * a)
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
+    return mx
+
+
+@njit(**CACHE)
+def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
+    """out = own (op) D(header, codes), at full precision; blocks whose
+    input is flagged or whose result does not fit out are skipped (out may
+    be own, and stays the input there).  Returns their number; their
+    indices are in skipped[:number]."""
+    n = own.size
+    k = as_acc(header, 1) / as_acc(header, LEVELS)
+    limit_u = abs_bits(out_limit(out))
+    flagged = 0
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        if _reduce_block(own, header, codes, b, lo, m, op, k, scratch) >= limit_u:
+            skipped[flagged] = b
+            flagged += 1
+            continue
+        for j in range(m):
+            store(out, _U(lo + j), scratch[j])
+    return flagged
+
+
+@njit(**CACHE)
+def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
+    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop, one
+    pass per block; in place allowed (a block is read whole into scratch
+    before it is written)."""
+    n = own.size
+    k = as_acc(h_in, 1) / as_acc(h_in, LEVELS)
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, k, scratch)
+        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)

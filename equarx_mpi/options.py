@@ -1,0 +1,128 @@
+"""Options of a QuantizedComm: defaults, validation, and overrides from
+the environment, in one place.
+
+Every option can be set by an environment variable ``EQUARX_MPI_<NAME>``
+(``EQUARX_MPI_WIRE=bf16``, ``EQUARX_MPI_LOSSY_OPS=sum,max``): it replaces
+the default, and an option passed in code still wins.  A value that does
+not parse is ignored with a warning (as mpi4py does with MPI4PY_RC_*); an
+unknown option passed in code is a TypeError.  ``EQUARX_MPI_DISABLE=1``
+makes every call take the exact MPI collective, whatever the code asks.
+"""
+import os
+import warnings
+
+import numpy as np
+
+from . import formats
+
+ALGORITHMS = ("ring",)
+LOSSY_OPS = ("sum", "max", "min")
+#: No single message exceeds this (MPI counts are 32-bit in many places).
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+DEFAULTS = dict(
+    wire="int8",
+    block_size=256,
+    algorithm="ring",
+    chunks=None,
+    min_quantized_bytes=None,
+    lossy_ops=("sum",),
+    check=True,
+    max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+)
+ENV_PREFIX = "EQUARX_MPI_"
+
+
+def disabled():
+    """EQUARX_MPI_DISABLE=1: every call exact."""
+    return os.environ.get(ENV_PREFIX + "DISABLE", "0") not in ("", "0")
+
+
+def _parse_env(name, text):
+    t = text.strip()
+    if name in ("wire", "algorithm"):
+        return t
+    if name == "lossy_ops":
+        return tuple(s.strip().lower() for s in t.split(",") if s.strip())
+    if name == "check":
+        if t.lower() in ("1", "true", "yes", "on"):
+            return True
+        if t.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(t)
+    if t.lower() == "none" and DEFAULTS[name] is None:
+        return None
+    return int(t, 0)
+
+
+def _from_env():
+    out = {}
+    for name in DEFAULTS:
+        text = os.environ.get(ENV_PREFIX + name.upper())
+        if text is None:
+            continue
+        try:
+            value = _parse_env(name, text)
+            check(dict(DEFAULTS, **{name: value}))
+        except (TypeError, ValueError) as e:
+            warnings.warn(f"ignoring {ENV_PREFIX}{name.upper()}={text!r}: {e}", stacklevel=3)
+            continue
+        out[name] = value
+    return out
+
+
+def resolve(given):
+    """The full, normalised option dict for options ``given`` in code
+    (TypeError for an unknown name, ValueError for a bad value)."""
+    given = dict(given)
+    unknown = sorted(set(given) - set(DEFAULTS) - {"bits"})
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; "
+                        f"options are {', '.join(sorted(DEFAULTS))}")
+    bits = given.pop("bits", None)
+    if bits is not None:
+        if bits not in formats.BITS_TO_WIRE:
+            raise ValueError(f"bits must be one of {tuple(formats.BITS_TO_WIRE)}, not {bits!r}")
+        wire = formats.BITS_TO_WIRE[bits]
+        if given.get("wire", wire) != wire:
+            raise ValueError(f"bits={bits} and wire={given['wire']!r} disagree")
+        given["wire"] = wire
+    opts = dict(DEFAULTS, **_from_env())
+    opts.update(given)
+    if isinstance(opts["lossy_ops"], str):
+        opts["lossy_ops"] = (opts["lossy_ops"],)
+    opts["lossy_ops"] = tuple(sorted(set(o.lower() if isinstance(o, str) else o
+                                         for o in opts["lossy_ops"])))
+    check(opts)
+    return opts
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check(o):
+    """Raise ValueError for a bad value."""
+    if o["wire"] not in formats.WIRES:
+        raise ValueError(f"wire must be one of {formats.WIRES}, not {o['wire']!r}")
+    b = o["block_size"]
+    if not _is_int(b) or b < 32 or b > 4096 or b & (b - 1):
+        raise ValueError(f"block_size must be a power of two from 32 to 4096, not {b!r}")
+    if o["algorithm"] not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
+    c = o["chunks"]
+    if c is not None and (not _is_int(c) or c < 1):
+        raise ValueError(f"chunks must be None or an integer >= 1, not {c!r}")
+    q = o["min_quantized_bytes"]
+    if q is not None and (not _is_int(q) or q < 0):
+        raise ValueError(f"min_quantized_bytes must be None or an integer >= 0, not {q!r}")
+    bad = [op for op in o["lossy_ops"] if op not in LOSSY_OPS]
+    if bad:
+        raise ValueError(f"lossy_ops may hold {', '.join(LOSSY_OPS)}, not {bad}")
+    if not isinstance(o["check"], (bool, np.bool_)):
+        raise ValueError(f"check must be True or False, not {o['check']!r}")
+    mm = o["max_message_bytes"]
+    one_block = formats.max_block_bytes(o["wire"], b)
+    if not _is_int(mm) or not one_block <= mm < 2 ** 31:
+        raise ValueError(f"max_message_bytes must be an integer from one block's "
+                         f"{one_block} bytes to 2**31 - 1, not {mm!r}")
