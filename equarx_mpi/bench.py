@@ -1,18 +1,19 @@
 """Benchmarks.  Run under mpirun; only rank 0 prints and writes files.
 
     mpirun -n 8 python -m equarx_mpi.bench                 # allreduce sweep
-    mpirun -n 8 python -m equarx_mpi.bench allreduce -b 1M -e 64M --json out.json
+    mpirun -n 8 python -m equarx_mpi.bench -b 1M -e 64M --data offset --json out.json
     python -m equarx_mpi.bench kernels                     # kernel GB/s vs C
 
-allreduce: every method runs on the same data in the same run, interleaved
-call by call so machine noise hits them alike.  Per rank the median time of
-the timed calls is kept; the columns give its average, min and max over
-ranks.  Bandwidths use the *uncompressed* bytes, like nccl-tests:
-algbw = size / time, busbw = algbw * 2(P-1)/P.  Errors are measured against
-an exact float64 sum; #wrong counts ranks whose result differs from rank 0's.
+allreduce (the default command): every method runs on the same data in the
+same run, interleaved call by call so machine noise hits them alike.  Per
+rank the median time of the timed calls is kept; the columns give its
+average, min and max over ranks.  Bandwidths use the *uncompressed* bytes,
+like nccl-tests.  Errors are measured against an exact float64 sum of the
+inputs.  The output header explains every column.
 """
 import argparse
 import json
+import os
 import sys
 import time
 import zlib
@@ -22,21 +23,72 @@ from mpi4py import MPI
 
 from .comm import BFLOAT16, QuantizedComm
 
-#: name -> (description, QuantizedComm options or None for comm.Allreduce)
+#: name -> (description, QuantizedComm options or None for mpi4py's exact
+#: comm.Allreduce).  A QuantizedComm is built only for the methods a run
+#: asks for, so a line may name options this version does not have yet.
 METHODS = {
     "mpi": ("mpi4py comm.Allreduce (exact)", None),
     "bf16": ("pipelined ring, bfloat16 on the wire", dict(bits=16, min_quantized_bytes=0)),
     "fp32": ("pipelined ring, float32 on the wire", dict(bits=32, min_quantized_bytes=0)),
-    "int8": ("EQuARX int8 ring, library defaults", dict(bits=8)),
-    "int8-c1": ("EQuARX int8 ring, chunks=1 (no pipelining)",
+    "int8": ("EQuARX int8 ring, library defaults (exact MPI below a size threshold)",
+             dict(bits=8)),
+    "int8-c1": ("EQuARX int8 ring, chunks=1 (no pipelining), every size",
                 dict(bits=8, chunks=1, min_quantized_bytes=0)),
-    "int8-raw": ("EQuARX int8 ring, never falls back to MPI", dict(bits=8, min_quantized_bytes=0)),
-    "int8-nocheck": ("EQuARX int8 ring without the argument agreement",
+    "int8-raw": ("EQuARX int8 ring at every size (never exact MPI)",
+                 dict(bits=8, min_quantized_bytes=0)),
+    "int8-nocheck": ("EQuARX int8 ring, defaults, without the per-call argument agreement",
                      dict(bits=8, check=False)),
 }
 DEFAULT_METHODS = "mpi,bf16,fp32,int8,int8-c1"
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
           "bfloat16": BFLOAT16}
+#: QuantizedComm.bits -> wire format name, for the path column
+WIRES = {8: "int8", 16: "bf16", 32: "fp32"}
+
+
+def _smooth(rng, n):
+    """Three sines on a sqrt(n) x sqrt(n) grid, phases per rank, plus noise."""
+    side = int(np.ceil(np.sqrt(n)))
+    u, v = np.divmod(np.arange(n, dtype=np.float64), side)
+    u, v = u / side, v / side
+    ph = 2 * np.pi * rng.random(3)
+    return (np.sin(2 * np.pi * u + ph[0]) + 0.5 * np.sin(6 * np.pi * v + ph[1])
+            + 0.25 * np.sin(10 * np.pi * (u + v) + ph[2]) + 0.01 * rng.standard_normal(n))
+
+
+#: name -> (description, generator(rng, n) -> float64 values).  Each rank
+#: seeds its generator with its rank; values are rounded to --dtype after.
+DATA = {
+    "normal": ("standard normal N(0,1)", lambda rng, n: rng.standard_normal(n)),
+    "offset": ("101325 + 100*N(0,1): pressure in Pa, a large offset plus a small signal\n"
+               "           (inputs round to 1/128 Pa in float32, 512 Pa in bfloat16)",
+               lambda rng, n: 101325.0 + 100.0 * rng.standard_normal(n)),
+    "uniform": ("uniform on [-1, 1)", lambda rng, n: rng.uniform(-1.0, 1.0, n)),
+    "mask": ("0 or 1, each with probability 1/2", lambda rng, n: rng.integers(0, 2, n) * 1.0),
+    "smooth": ("smooth 2-D field: three sines on a sqrt(n) x sqrt(n) grid + 0.01*N(0,1)",
+               _smooth),
+}
+
+LEGEND = """\
+# columns (one row per message size and method):
+#   size(B), count, type   message per rank: count values of type (the same on every rank)
+#   path      what ran: "exact" = the exact MPI collective (mpi, or a library method
+#             below its size threshold); else algorithm/wire format, e.g. ring/int8
+#   avg(us) min(us) max(us)   time per call: each rank's median over the timed calls,
+#             then the average, minimum and maximum of those over ranks
+#   algbw     size(B) / avg time [GB/s], from the uncompressed bytes
+#   busbw     algbw * 2(P-1)/P [GB/s] (the nccl-tests convention for AllReduce)
+#   speedup   mpi's avg time / this method's avg time: > 1 = faster than mpi
+#   rel_err   ||out - exact|| / ||exact||, L2 over the message; exact = float64 sum of the inputs
+#   anom_err  ||out - exact|| / ||exact - mean(exact)||: the error against the signal (the
+#             anomaly); about rel_err for zero-mean data, far larger when the data has an offset
+#   max_err   max |out - exact|
+#   #wrong    ranks whose result bits differ from rank 0's (0 = all ranks agree)"""
+
+COLUMNS = (("size(B)", 12), ("count", 11), ("type", 8), ("method", 12), ("path", 13),
+           ("avg(us)", 11), ("min(us)", 11), ("max(us)", 11), ("algbw(GB/s)", 11),
+           ("busbw(GB/s)", 11), ("speedup", 8), ("rel_err", 9), ("anom_err", 9),
+           ("max_err", 9), ("#wrong", 6))
 
 
 def parse_size(text):
@@ -57,89 +109,177 @@ def human(nbytes):
 
 
 def sizes(begin, end, factor):
+    """begin, begin*factor, ... up to end (begin >= 1, factor >= 2)."""
     out, s = [], begin
     while s <= end:
         out.append(s)
-        s = s * factor if factor > 1 else s + 1
+        s *= factor
     return out
 
 
-def allreduce_parser(p):
-    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"),
+def mpi_library():
+    """First line of MPI's library version, without the C string's NUL."""
+    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m equarx_mpi.bench",
+        usage="mpirun -n P python -m equarx_mpi.bench [allreduce] [options]\n"
+              "       python -m equarx_mpi.bench kernels [options]",
+        description=__doc__.split("\n\n")[2],
+        epilog="commands:\n"
+               "  allreduce  quantized AllReduce against MPI and uncompressed rings\n"
+               "             (the default; its options are above)\n"
+               "  kernels    numba kernels against the C reference, one process\n"
+               "             (python -m equarx_mpi.bench kernels -h)\n\nmethods:\n"
+               + "".join(f"  {m:13s}{d}\n" for m, (d, _) in METHODS.items())
+               + "\ndata:\n" + "".join(f"  {k:9s}{d}\n" for k, (d, _) in DATA.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-b", "--minbytes", type=parse_size, metavar="SIZE", default=parse_size("4K"),
                    help="smallest message per rank (default 4K)")
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
+    p.add_argument("-e", "--maxbytes", type=parse_size, metavar="SIZE", default=parse_size("64M"),
                    help="largest message per rank (default 64M)")
-    p.add_argument("-f", "--stepfactor", type=int, default=4, help="size multiplier (default 4)")
-    p.add_argument("-w", "--warmup", type=int, default=2, help="untimed calls per size and method")
-    p.add_argument("-n", "--iters", type=int, default=5, help="timed calls per size and method")
-    p.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("-m", "--methods", default=DEFAULT_METHODS,
-                   help=f"comma-separated, from {', '.join(METHODS)} (default {DEFAULT_METHODS})")
-    p.add_argument("--block", type=int, default=256, help="int8 block size")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, metavar="F",
+                   help="size multiplier, at least 2 (default 4)")
+    p.add_argument("-w", "--warmup", type=int, default=2, metavar="N",
+                   help="untimed calls per size and method (default 2)")
+    p.add_argument("-n", "--iters", type=int, default=5, metavar="N",
+                   help="timed calls per size and method (default 5)")
+    p.add_argument("-d", "--dtype", choices=list(DTYPES), default="float32", metavar="TYPE",
+                   help=f"value type: {', '.join(DTYPES)} (default float32)")
+    p.add_argument("--data", choices=list(DATA), default="normal", metavar="KIND",
+                   help=f"values each rank sends: {', '.join(DATA)} (default normal; "
+                   "see below)")
+    p.add_argument("-m", "--methods", default=DEFAULT_METHODS, metavar="M,M,...",
+                   help=f"comma-separated, from the list below (default {DEFAULT_METHODS})")
+    p.add_argument("--block", type=int, default=256, metavar="B",
+                   help="values per int8 block (default 256)")
     p.add_argument("--json", metavar="FILE", help="write all rows as JSON")
-    p.add_argument("--plot", metavar="FILE.png", help="speedup and error against size "
+    p.add_argument("--plot", metavar="FILE.png", help="times, speedup and error against size "
                    "(needs matplotlib: pip install equarx_mpi[plot])")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def _arg_error(args, methods):
+    """Why these arguments cannot run (the same answer on every rank), or None."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        return f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}"
+    if args.minbytes < 1 or args.maxbytes < args.minbytes:
+        return (f"sizes: need 1 <= --minbytes <= --maxbytes, got -b {args.minbytes} "
+                f"-e {args.maxbytes}")
+    if args.stepfactor < 2:
+        return f"--stepfactor must be at least 2, got {args.stepfactor}"
+    if args.iters < 1 or args.warmup < 0:
+        return f"need --iters >= 1 and --warmup >= 0, got -n {args.iters} -w {args.warmup}"
+    if args.data == "offset" and args.dtype == "float16":
+        return "--data offset does not fit float16 (101325 > 65504): use float32 or float64"
+    return None
+
+
+def _rank0_error(args):
+    """Checks only rank 0 needs (it alone writes files), made before the sweep."""
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            return f"{opt} {path}: cannot write into {folder}"
+    if args.plot:
+        from . import benchplot
+        return benchplot.missing()
+    return None
+
+
+def _agree(comm, err):
+    """Exit on every rank, with the first rank's message, if any rank has one."""
+    errs = [e for e in comm.allgather(err) if e]
+    if errs:
+        raise SystemExit(f"equarx_mpi.bench: {errs[0]}")
+
+
+def _make_comms(comm, methods, block):
+    """name -> QuantizedComm for the requested library methods.  Collective."""
+    qcs = {}
+    for m in methods:
+        opts = METHODS[m][1]
+        if opts is None:
+            continue
+        try:
+            qcs[m] = QuantizedComm(comm, **{"block_size": block, **opts})
+        except (TypeError, ValueError) as e:   # agreed: raised alike on every rank
+            for qc in qcs.values():
+                qc.free()
+            raise SystemExit(f"equarx_mpi.bench: method {m!r} "
+                             f"(QuantizedComm options {opts}, block {block}): {e}")
+    return qcs
+
+
+def _path(qc, P, nbytes):
+    """'exact' when the exact MPI collective ran, else 'algorithm/wire'."""
+    if qc is None:
+        return "exact"
+    last = getattr(qc, "last_call", None)
+    if last is not None:
+        return "exact" if last.method == "mpi" or last.wire is None else \
+            f"{last.method}/{last.wire}"
+    # QuantizedComm without last_call: only the size threshold decides.
+    if P == 1 or nbytes < qc.min_quantized_bytes:
+        return "exact"
+    return f"{qc.algorithm}/{WIRES.get(qc.bits, qc.bits)}"
 
 
 def run_allreduce(args, comm=MPI.COMM_WORLD):
     P, rank = comm.Get_size(), comm.Get_rank()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
-    if args.plot and rank == 0:
-        import matplotlib  # noqa: F401  (fail before the sweep, not after it)
+    err = _arg_error(args, methods)
+    _agree(comm, err or (_rank0_error(args) if rank == 0 else None))
     dtype = np.dtype(DTYPES[args.dtype])
-    qcs = {m: QuantizedComm(comm, block_size=args.block, **METHODS[m][1])
-           for m in methods if METHODS[m][1] is not None}
+    qcs = _make_comms(comm, methods, args.block)
+    # Flushed line by line, so progress on stderr never lands inside the table.
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    say(f"# equarx_mpi allreduce benchmark: {P} ranks, {MPI.Get_library_version().splitlines()[0]}")
-    say(f"# dtype {dtype.name}, block {args.block}, warm-up {args.warmup}, timed {args.iters}, "
-        f"time = per-rank median, avg/min/max over ranks")
+    say(f"# equarx_mpi allreduce benchmark: {P} rank{'s' * (P != 1)}, {mpi_library()}")
+    say(f"# dtype {dtype.name}, data {args.data}: {' '.join(DATA[args.data][0].split())}")
+    say(f"# block {args.block}; per size and method {args.warmup} warm-up + {args.iters} "
+        f"timed calls, methods interleaved call by call")
+    if P == 1:
+        say("# 1 rank: every method returns its input; run under mpirun -n P (P >= 2)")
+    say("# methods:")
     for m in methods:
         say(f"#   {m:12s} {METHODS[m][0]}")
-    hdr = (f"#{'size(B)':>12} {'count':>11} {'type':>8} {'method':>12} {'avg(us)':>11} "
-           f"{'min(us)':>11} {'max(us)':>11} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} "
-           f"{'speedup':>8} {'rel_err':>9} {'max_err':>9} {'#wrong':>6}")
-    say(hdr)
+    say(LEGEND)
+    say("#" + " ".join(f"{name:>{w}}" for name, w in COLUMNS)[1:])
     rows = []
-    todo = sizes(args.minbytes, args.maxbytes, args.stepfactor)
-    for i, nbytes in enumerate(todo):
-        count = max(1, nbytes // dtype.itemsize)
+    todo = sorted({max(1, b // dtype.itemsize)
+                   for b in sizes(args.minbytes, args.maxbytes, args.stepfactor)})
+    for i, count in enumerate(todo):
         if rank == 0 and not args.quiet:
             sys.stderr.write(f"# [{i + 1}/{len(todo)}] {human(count * dtype.itemsize)}\n")
+            sys.stderr.flush()
         rows += _one_size(comm, qcs, methods, count, dtype, args, say)
-    by_method = {m: [r for r in rows if r["method"] == m] for m in methods}
-    for m in methods:
-        say(f"# avg busbw {m:12s} {np.mean([r['busbw_GBps'] for r in by_method[m]]):.3f} GB/s")
-    last = max(r["bytes"] for r in rows)
-    at_last = {r["method"]: r for r in rows if r["bytes"] == last}
-    for base in ("mpi", "bf16"):
-        if "int8" in at_last and base in at_last:
-            say(f"# int8 vs {base} at {human(last)}: {at_last[base]['time_us']['avg'] / at_last['int8']['time_us']['avg']:.2f}x")
-    wrong = sum(r["wrong"] for r in rows)
-    say(f"# wrong results: {wrong}")
-    if rank == 0 and args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ranks": P, "dtype": dtype.name, "block": args.block,
-                       "mpi": MPI.Get_library_version().splitlines()[0], "rows": rows}, f, indent=1)
-    if rank == 0 and args.plot:
-        plot(rows, methods, args.plot, P)
     for qc in qcs.values():
         qc.free()
+    if rank == 0:
+        _footer(rows, methods, say)
+        _write_files(args, rows, methods, P, dtype)
     return rows
+
+
+def _inputs(rank, count, dtype, data):
+    x = DATA[data][1](np.random.default_rng(1000 + rank), count)
+    with np.errstate(over="ignore"):
+        return x.astype(dtype)
 
 
 def _one_size(comm, qcs, methods, count, dtype, args, say):
     P, rank = comm.Get_size(), comm.Get_rank()
-    x = np.random.default_rng(1000 + rank).standard_normal(count).astype(dtype)
+    x = _inputs(rank, count, dtype, args.data)
     exact = np.empty(count, np.float64)
     comm.Allreduce(x.astype(np.float64), exact)
     # MPI has no 16-bit float types: its baseline reduces float32 copies.
     mpi_x = x.astype(np.float32) if dtype.itemsize == 2 else x
     outs = {m: np.empty_like(mpi_x if m == "mpi" else x) for m in methods}
-    calls = {m: (lambda o=outs[m]: comm.Allreduce(mpi_x, o)) if m == "mpi" else
+    calls = {m: (lambda o=outs[m]: comm.Allreduce(mpi_x, o)) if qcs.get(m) is None else
              (lambda q=qcs[m], o=outs[m]: q.Allreduce(x, o)) for m in methods}
     times = {m: [] for m in methods}
     for it in range(args.warmup + args.iters):
@@ -150,85 +290,86 @@ def _one_size(comm, qcs, methods, count, dtype, args, say):
             dt = time.perf_counter() - t0
             if it >= args.warmup:
                 times[m].append(dt)
-    rows = []
     nbytes = count * dtype.itemsize
+    t_all = comm.gather([float(np.median(times[m])) for m in methods])
+    crcs = comm.gather([zlib.crc32(outs[m].tobytes()) for m in methods])
+    if rank != 0:
+        return []
     norm = np.linalg.norm(exact)
-    for m in methods:
-        med = float(np.median(times[m]))
-        t_all = comm.gather(med)
-        out = outs[m].astype(np.float64)
-        crc = zlib.crc32(outs[m].tobytes())
-        crcs = comm.gather(crc)
-        if rank != 0:
-            continue
-        rel = float(np.linalg.norm(out - exact) / norm) if norm > 0 else 0.0
-        maxerr = float(np.abs(out - exact).max())
-        avg = float(np.mean(t_all))
+    anom = np.linalg.norm(exact - exact.mean())
+    rows = []
+    for j, m in enumerate(methods):
+        t = [ts[j] for ts in t_all]
+        diff = outs[m].astype(np.float64) - exact
+        e = float(np.linalg.norm(diff))
+        avg = float(np.mean(t))
         algbw = nbytes / avg / 1e9
         rows.append(dict(bytes=nbytes, count=count, dtype=dtype.name, method=m,
-                         time_us=dict(avg=avg * 1e6, min=min(t_all) * 1e6, max=max(t_all) * 1e6),
+                         path=_path(qcs.get(m), P, nbytes),
+                         time_us=dict(avg=avg * 1e6, min=min(t) * 1e6, max=max(t) * 1e6),
                          algbw_GBps=algbw, busbw_GBps=algbw * 2 * (P - 1) / P,
-                         rel_err=rel, max_err=maxerr,
-                         wrong=sum(c != crcs[0] for c in crcs)))
-    if rank == 0:
-        base = next((r for r in rows if r["method"] == "mpi"), None)
-        for r in rows:
-            r["speedup_vs_mpi"] = base["time_us"]["avg"] / r["time_us"]["avg"] if base else None
-            sp = f"{r['speedup_vs_mpi']:8.2f}" if base else f"{'-':>8}"
-            say(f" {r['bytes']:>12} {r['count']:>11} {r['dtype']:>8} {r['method']:>12} "
-                f"{r['time_us']['avg']:11.1f} {r['time_us']['min']:11.1f} {r['time_us']['max']:11.1f} "
-                f"{r['algbw_GBps']:11.3f} {r['busbw_GBps']:11.3f} {sp} {r['rel_err']:9.2e} "
-                f"{r['max_err']:9.2e} {r['wrong']:>6}")
-    return comm.bcast(rows)
+                         rel_err=e / norm if norm > 0 else (0.0 if e == 0 else None),
+                         anom_err=e / anom if anom > 0 else (0.0 if e == 0 else None),
+                         max_err=float(np.abs(diff).max()),
+                         wrong=sum(c[j] != crcs[0][j] for c in crcs)))
+    base = next((r for r in rows if r["method"] == "mpi"), None)
+    for r in rows:
+        r["speedup_vs_mpi"] = base["time_us"]["avg"] / r["time_us"]["avg"] if base else None
+        say(_format_row(r))
+    return rows
 
 
-def plot(rows, methods, path, P):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+def _format_row(r):
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+    t = r["time_us"]
+    cells = (r["bytes"], r["count"], r["dtype"], r["method"], r["path"],
+             f"{t['avg']:.1f}", f"{t['min']:.1f}", f"{t['max']:.1f}",
+             f"{r['algbw_GBps']:.3f}", f"{r['busbw_GBps']:.3f}",
+             num(r["speedup_vs_mpi"], ".2f"), num(r["rel_err"], ".2e"),
+             num(r["anom_err"], ".2e"), f"{r['max_err']:.2e}", r["wrong"])
+    return " " + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS))[1:]
+
+
+def _footer(rows, methods, say):
     for m in methods:
-        rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["bytes"])
-        b = [r["bytes"] for r in rs]
-        if m != "mpi":
-            a1.plot(b, [r["speedup_vs_mpi"] for r in rs], marker="o", label=m)
-            a2.plot(b, [max(r["rel_err"], 1e-9) for r in rs], marker="o", label=m)
-    for a, title in ((a1, f"speedup vs MPI Allreduce ({P} ranks)"),
-                     (a2, "relative L2 error vs exact sum")):
-        a.set_xscale("log", base=2)
-        a.set_xlabel("message per rank [bytes]")
-        a.set_title(title)
-        a.grid(True, alpha=0.3)
-        a.legend()
-    a1.axhline(1.0, color="k", lw=0.8)
-    a2.set_yscale("log")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        bw = np.mean([r["busbw_GBps"] for r in rows if r["method"] == m])
+        say(f"# avg busbw {m:12s} {bw:.3f} GB/s")
+    last = max(r["bytes"] for r in rows)
+    at_last = {r["method"]: r for r in rows if r["bytes"] == last}
+    if "int8" in at_last:
+        for base in ("mpi", "bf16"):
+            if base in at_last:
+                ratio = at_last[base]["time_us"]["avg"] / at_last["int8"]["time_us"]["avg"]
+                say(f"# speedup of int8 ({at_last['int8']['path']}) over {base} at "
+                    f"{human(last)}: {ratio:.2f}x")
+    say(f"# wrong results: {sum(r['wrong'] for r in rows)}")
+
+
+def _write_files(args, rows, methods, P, dtype):
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ranks": P, "dtype": dtype.name, "data": args.data,
+                       "block": args.block, "mpi": mpi_library(),
+                       "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+    if args.plot:
+        from . import benchplot
+        benchplot.plot(rows, methods, [m for m in methods if METHODS[m][1] is not None],
+                       args.plot,
+                       f"AllReduce, {P} ranks, {dtype.name}, data {args.data}")
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"allreduce": "quantized AllReduce against MPI and uncompressed rings (default)",
-                "kernels": "numba kernel throughput against the C reference (one process)"}
-    if argv and argv[0] in ("-h", "--help") or not argv or argv[0].startswith("-"):
-        if argv and argv[0] in ("-h", "--help"):
-            print("usage: python -m equarx_mpi.bench [command] [options]\ncommands:")
-            for c, d in commands.items():
-                print(f"  {c:10s} {d}")
-            print("python -m equarx_mpi.bench COMMAND -h for its options")
-            return 0
-        argv = ["allreduce"] + argv
-    cmd, rest = argv[0], argv[1:]
-    if cmd == "kernels":
+    if argv and argv[0] == "kernels":
         from . import kernelbench
-        return kernelbench.main(rest)
-    if cmd != "allreduce":
-        raise SystemExit(f"unknown command {cmd!r}; choose from {list(commands)}")
-    p = argparse.ArgumentParser(prog="python -m equarx_mpi.bench allreduce",
-                                description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    allreduce_parser(p)
-    run_allreduce(p.parse_args(rest))
+        return kernelbench.main(argv[1:])
+    if argv and argv[0] == "allreduce":
+        argv = argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        raise SystemExit(f"equarx_mpi.bench: unknown command {argv[0]!r}; "
+                         f"choose from allreduce, kernels (or see --help)")
+    run_allreduce(build_parser().parse_args(argv))
     return 0
 
 

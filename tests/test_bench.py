@@ -1,39 +1,151 @@
-"""Smoke run of the benchmark at 2 ranks with tiny sizes (serial pytest; it
-starts its own mpirun).  Fails if any result differs between ranks or the
-error columns are missing."""
+"""The benchmark CLI: runs at 2 ranks with tiny sizes (serial pytest; each
+test starts its own mpirun under a time limit, so a hang fails), its error
+paths (every rank must exit, none may wait), and its helpers.
+
+    pytest -q tests/test_bench.py
+"""
 import json
 import os
+import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+from mpi4py import MPI
 
-from equarx_mpi import bench
+from equarx_mpi import bench, benchplot
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+           PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+TINY = ["-b", "4K", "-e", "256K", "-f", "8", "-w", "1", "-n", "2"]
+
+# On sys.path first, this makes `import matplotlib` fail as if it were not installed.
+HIDE_MATPLOTLIB = '''
+import sys
+class _Hide:
+    def find_spec(self, name, path=None, target=None):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, _Hide())
+'''
+
+
+def bench_run(args, timeout, env=ENV, ranks=2):
+    """mpirun -n ranks python -m equarx_mpi.bench args; the whole process
+    group is killed if it runs past timeout (so a hung rank cannot linger)."""
+    cmd = [MPIRUN, "-n", str(ranks), *(["-x", "PYTHONPATH"] if "PYTHONPATH" in env else []),
+           sys.executable, "-m", "equarx_mpi.bench", *args]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"hung: no exit within {timeout}s\n{out}\n{err}")
+    return p.returncode, out, err
+
+
+def table(stdout):
+    return [line.split() for line in stdout.splitlines() if line and not line.startswith("#")]
 
 
 def test_bench_two_ranks_tiny_sizes(tmp_path):
     out = tmp_path / "bench.json"
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    p = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "equarx_mpi.bench",
-                        "-b", "4K", "-e", "256K", "-f", "8", "-w", "1", "-n", "2",
-                        "-m", ",".join(bench.METHODS), "--json", str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout + p.stderr
-    header = [l for l in p.stdout.splitlines() if l.startswith("#") and "size(B)" in l]
-    assert header and all(c in header[0] for c in ("rel_err", "max_err", "#wrong", "busbw"))
-    assert "# wrong results: 0" in p.stdout
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["method"] for r in rows} == set(bench.METHODS)
-    assert len(rows) == 3 * len(bench.METHODS)
+    rc, stdout, stderr = bench_run(TINY + ["-m", ",".join(bench.METHODS), "--json", str(out)],
+                                   timeout=300)
+    assert rc == 0, stdout + stderr
+    raw = out.read_text()
+    assert "\x00" not in stdout and "\x00" not in raw and "\\u0000" not in raw
+    header = [l for l in stdout.splitlines() if l.startswith("#") and "size(B)" in l
+              and "#wrong" in l]
+    assert len(header) == 1
+    assert header[0].split()[1:] == [name for name, _ in bench.COLUMNS]
+    for col in ("path", "avg(us)", "algbw", "busbw", "speedup", "rel_err", "anom_err",
+                "max_err", "#wrong"):     # every column is explained above the table
+        assert any(l.startswith(f"#   {col}") for l in stdout.splitlines()), col
+    assert "# wrong results: 0" in stdout
+    # progress went to stderr only, as # lines
+    assert "# [1/3] 4 KiB" in stderr and "[1/3]" not in stdout
+    doc = json.loads(raw)
+    assert doc["mpi"] == bench.mpi_library() and doc["data"] == "normal"
+    rows = doc["rows"]
+    assert len(rows) == 3 * len(bench.METHODS) == len(table(stdout))
     for r in rows:
         assert r["wrong"] == 0, r
         assert r["rel_err"] >= 0 and r["max_err"] >= 0
         limit = {"mpi": 1e-6, "fp32": 1e-6, "bf16": 0.01}.get(r["method"], 0.02)
         assert r["rel_err"] <= limit, r
+        # zero-mean data: the error against the anomaly is about rel_err
+        assert r["anom_err"] <= 1.1 * r["rel_err"] + 1e-12, r
         assert r["time_us"]["min"] <= r["time_us"]["avg"] <= r["time_us"]["max"]
+        # below 4 MiB the library defaults take exact MPI; the ablations never do
+        want = {"mpi": "exact", "int8": "exact", "int8-nocheck": "exact", "bf16": "ring/bf16",
+                "fp32": "ring/fp32"}.get(r["method"], "ring/int8")
+        assert r["path"] == want, r
+    assert [(c[3], c[4]) for c in table(stdout)] == [(r["method"], r["path"]) for r in rows]
+
+
+def test_offset_data_shows_the_error_against_the_signal():
+    rc, stdout, stderr = bench_run(TINY + ["-m", "mpi,int8,int8-raw", "--data", "offset", "-q"],
+                                   timeout=300)
+    assert rc == 0, stdout + stderr
+    assert stderr.count("# [") == 0             # -q: no progress
+    cols = [name for name, _ in bench.COLUMNS]
+    rows = [dict(zip(cols, c)) for c in table(stdout)]
+    assert len(rows) == 9
+    for r in rows:
+        rel, anom = float(r["rel_err"]), float(r["anom_err"])
+        if r["method"] == "int8-raw":
+            # 0.3% of the total, several times the signal itself
+            assert r["path"] == "ring/int8" and rel < 0.01 and anom > 0.5 and anom > 100 * rel, r
+        else:
+            assert r["path"] == "exact" and anom < 1e-3, r
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--plot", "PNG"], "--plot needs matplotlib: pip install equarx_mpi[plot]"),
+    (["-m", "mpi,nope"], "unknown method(s) ['nope']"),
+    (["-b", "64M", "-e", "4K"], "need 1 <= --minbytes <= --maxbytes"),
+    (["-f", "1"], "--stepfactor must be at least 2"),
+    (["--json", "/nonexistent/dir/out.json"], "--json /nonexistent/dir/out.json: cannot write"),
+    (["-d", "float16", "--data", "offset"], "does not fit float16"),
+])
+def test_bad_arguments_stop_every_rank(tmp_path, args, message):
+    (tmp_path / "sitecustomize.py").write_text(HIDE_MATPLOTLIB)
+    env = dict(ENV, PYTHONPATH=str(tmp_path))
+    args = [str(tmp_path / "x.png") if a == "PNG" else a for a in args]
+    rc, stdout, stderr = bench_run(TINY + args, timeout=90, env=env)
+    assert rc != 0
+    assert message in stderr, stderr
+    assert table(stdout) == [] and not (tmp_path / "x.png").exists()
+
+
+def test_plot_writes_a_png(tmp_path):
+    if benchplot.missing():
+        pytest.fail("matplotlib is needed for this test: pip install -e .[plot] "
+                    "(run_tests.sh installs it)")
+    png = tmp_path / "bench.png"
+    rc, stdout, stderr = bench_run(TINY + ["-m", "mpi,int8,int8-raw", "-q", "--plot", str(png)],
+                                   timeout=300)
+    assert rc == 0, stdout + stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20000
+
+
+def test_help_shows_commands_and_allreduce_options():
+    p = subprocess.run([sys.executable, "-m", "equarx_mpi.bench", "--help"], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    for word in ("allreduce", "kernels", "--minbytes", "--data", "--methods", "--plot",
+                 "int8-raw", "offset"):
+        assert word in p.stdout, word
+    p = subprocess.run([sys.executable, "-m", "equarx_mpi.bench", "allreduc"], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "unknown command 'allreduc'" in p.stderr
 
 
 def test_size_parsing():
@@ -41,3 +153,51 @@ def test_size_parsing():
     assert bench.sizes(4, 64, 4) == [4, 16, 64]
     with pytest.raises(Exception):
         bench.parse_size("lots")
+
+
+def test_mpi_library_has_no_nul():
+    name = bench.mpi_library()
+    assert name and "\x00" not in name and name == name.strip()
+
+
+@pytest.mark.parametrize("kind", list(bench.DATA))
+def test_data_is_seeded_by_rank(kind):
+    a, b, c = (bench._inputs(r, 1000, np.dtype(np.float32), kind) for r in (0, 0, 1))
+    assert a.dtype == np.float32 and a.shape == (1000,) and np.isfinite(a).all()
+    assert np.array_equal(a, b) and not np.array_equal(a, c)
+    if kind == "mask":
+        assert set(np.unique(a)) == {0.0, 1.0}
+    if kind == "offset":
+        assert abs(a.mean() - 101325) < 20 and 80 < a.std() < 120
+
+
+def test_path_column():
+    qc = SimpleNamespace(min_quantized_bytes=4 << 20, algorithm="ring", bits=8)
+    assert bench._path(None, 2, 1 << 30) == "exact"
+    # without QuantizedComm.last_call: the size threshold decides
+    assert bench._path(qc, 2, (4 << 20) - 4) == "exact"
+    assert bench._path(qc, 2, 4 << 20) == "ring/int8"
+    assert bench._path(qc, 1, 4 << 20) == "exact"
+    # with it: what the last call really did
+    qc.last_call = SimpleNamespace(method="mpi", wire=None)
+    assert bench._path(qc, 2, 1 << 30) == "exact"
+    qc.last_call = SimpleNamespace(method="two_shot", wire="int4")
+    assert bench._path(qc, 2, 4) == "two_shot/int4"
+
+
+def test_methods_are_built_only_when_asked(monkeypatch):
+    monkeypatch.setitem(bench.METHODS, "future",
+                        ("an option this QuantizedComm lacks", dict(wire="int3")))
+    assert bench._make_comms(MPI.COMM_SELF, ["mpi"], 256) == {}
+    with pytest.raises(SystemExit, match="method 'future'.*wire"):
+        bench._make_comms(MPI.COMM_SELF, ["mpi", "future"], 256)
+
+
+def test_exact_region_for_the_plot():
+    rows = [dict(method=m, bytes=b, path=p) for m, b, p in (
+        ("mpi", 1 << 20, "exact"), ("mpi", 4 << 20, "exact"), ("mpi", 16 << 20, "exact"),
+        ("int8", 1 << 20, "exact"), ("int8", 4 << 20, "ring/int8"),
+        ("int8", 16 << 20, "ring/int8"), ("bf16", 1 << 20, "ring/bf16"))]
+    assert benchplot.shaded_method(rows, ["bf16", "int8"]) == "int8"
+    assert np.allclose(benchplot.exact_spans(rows, "int8"), [(2 ** 19.5, 2 ** 21)])
+    assert benchplot.shaded_method(rows, ["bf16"]) is None
