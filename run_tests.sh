@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs what is missing (a venv with the project and its test and mpi
-# extras), then runs the serial tests and the MPI suites at 1, 2, 3, 4 and 8
-# ranks.  Every mpirun has a time limit, so a hang fails instead of stalling.
+# Installs what is missing (a venv with the project and its test, mpi and
+# plot extras), then runs the serial tests and the MPI suites at 1, 2, 3, 4,
+# 5 and 8 ranks.  Every mpirun has a time limit, so a hang fails instead of stalling.
 # Exits non-zero on any failure.
 #   ./run_tests.sh                 everything
 #   RANKS="2 4" ./run_tests.sh     only those MPI sizes
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
 VENV=${EQUARX_VENV:-$ROOT/.venv}
-RANKS=${RANKS:-"1 2 3 4 8"}
+RANKS=${RANKS:-"1 2 3 4 5 8"}
 MPI_TIMEOUT=${MPI_TIMEOUT:-1200}
 
 # --- install ---------------------------------------------------------------
@@ -20,12 +20,12 @@ fi
 PY=$VENV/bin/python
 if ! "$PY" - "$ROOT" <<'PYEOF' 2>/dev/null || [ ! -x "$VENV/bin/mpirun" ]
 import os, sys
-import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout
+import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, matplotlib
 assert os.path.dirname(os.path.dirname(os.path.abspath(equarx_mpi.__file__))) == sys.argv[1]
 PYEOF
 then
-    echo "# installing equarx_mpi[test,mpi] into $VENV"
-    "$VENV/bin/pip" install -q -e ".[test,mpi]"
+    echo "# installing equarx_mpi[test,mpi,plot] into $VENV"
+    "$VENV/bin/pip" install -q -e ".[test,mpi,plot]"
 fi
 if command -v make >/dev/null && command -v cc >/dev/null; then
     make -s -C native

@@ -28,22 +28,20 @@ from .comm import BFLOAT16, QuantizedComm
 #: asks for, so a line may name options this version does not have yet.
 METHODS = {
     "mpi": ("mpi4py comm.Allreduce (exact)", None),
-    "bf16": ("pipelined ring, bfloat16 on the wire", dict(bits=16, min_quantized_bytes=0)),
-    "fp32": ("pipelined ring, float32 on the wire", dict(bits=32, min_quantized_bytes=0)),
+    "bf16": ("pipelined ring, bfloat16 on the wire", dict(wire="bf16", min_quantized_bytes=0)),
+    "fp32": ("pipelined ring, float32 on the wire", dict(wire="fp32", min_quantized_bytes=0)),
     "int8": ("EQuARX int8 ring, library defaults (exact MPI below a size threshold)",
-             dict(bits=8)),
+             dict(wire="int8")),
     "int8-c1": ("EQuARX int8 ring, chunks=1 (no pipelining), every size",
-                dict(bits=8, chunks=1, min_quantized_bytes=0)),
+                dict(wire="int8", chunks=1, min_quantized_bytes=0)),
     "int8-raw": ("EQuARX int8 ring at every size (never exact MPI)",
-                 dict(bits=8, min_quantized_bytes=0)),
+                 dict(wire="int8", min_quantized_bytes=0)),
     "int8-nocheck": ("EQuARX int8 ring, defaults, without the per-call argument agreement",
-                     dict(bits=8, check=False)),
+                     dict(wire="int8", check=False)),
 }
 DEFAULT_METHODS = "mpi,bf16,fp32,int8,int8-c1"
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
           "bfloat16": BFLOAT16}
-#: QuantizedComm.bits -> wire format name, for the path column
-WIRES = {8: "int8", 16: "bf16", 32: "fp32"}
 
 
 def _smooth(rng, n):
@@ -215,18 +213,12 @@ def _make_comms(comm, methods, block):
     return qcs
 
 
-def _path(qc, P, nbytes):
+def _path(qc):
     """'exact' when the exact MPI collective ran, else 'algorithm/wire'."""
-    if qc is None:
+    last = None if qc is None else qc.last_call
+    if last is None or last.wire is None:
         return "exact"
-    last = getattr(qc, "last_call", None)
-    if last is not None:
-        return "exact" if last.method == "mpi" or last.wire is None else \
-            f"{last.method}/{last.wire}"
-    # QuantizedComm without last_call: only the size threshold decides.
-    if P == 1 or nbytes < qc.min_quantized_bytes:
-        return "exact"
-    return f"{qc.algorithm}/{WIRES.get(qc.bits, qc.bits)}"
+    return f"{last.method}/{last.wire}"
 
 
 def run_allreduce(args, comm=MPI.COMM_WORLD):
@@ -305,7 +297,7 @@ def _one_size(comm, qcs, methods, count, dtype, args, say):
         avg = float(np.mean(t))
         algbw = nbytes / avg / 1e9
         rows.append(dict(bytes=nbytes, count=count, dtype=dtype.name, method=m,
-                         path=_path(qcs.get(m), P, nbytes),
+                         path=_path(qcs.get(m)),
                          time_us=dict(avg=avg * 1e6, min=min(t) * 1e6, max=max(t) * 1e6),
                          algbw_GBps=algbw, busbw_GBps=algbw * 2 * (P - 1) / P,
                          rel_err=e / norm if norm > 0 else (0.0 if e == 0 else None),

@@ -172,17 +172,11 @@ def test_data_is_seeded_by_rank(kind):
 
 
 def test_path_column():
-    qc = SimpleNamespace(min_quantized_bytes=4 << 20, algorithm="ring", bits=8)
-    assert bench._path(None, 2, 1 << 30) == "exact"
-    # without QuantizedComm.last_call: the size threshold decides
-    assert bench._path(qc, 2, (4 << 20) - 4) == "exact"
-    assert bench._path(qc, 2, 4 << 20) == "ring/int8"
-    assert bench._path(qc, 1, 4 << 20) == "exact"
-    # with it: what the last call really did
-    qc.last_call = SimpleNamespace(method="mpi", wire=None)
-    assert bench._path(qc, 2, 1 << 30) == "exact"
+    assert bench._path(None) == "exact"
+    qc = SimpleNamespace(last_call=SimpleNamespace(method="mpi", wire=None))
+    assert bench._path(qc) == "exact"
     qc.last_call = SimpleNamespace(method="two_shot", wire="int4")
-    assert bench._path(qc, 2, 4) == "two_shot/int4"
+    assert bench._path(qc) == "two_shot/int4"
 
 
 def test_methods_are_built_only_when_asked(monkeypatch):

@@ -73,7 +73,8 @@ def test_subnormal_block_maximum(qc, dtype):
         x[1] = 3 * sub
         got = qc.allreduce(x)
         everywhere(got[0] == top * sub, f"sum of {top} x 2^-min comes back exactly")
-        everywhere(abs(got[1] - 3 * P * sub) <= max(1, top // 127) * sub, "small value kept")
+        # each of the P quantizations after rank 0's value joined: half a step
+        everywhere(abs(got[1] - 3 * P * sub) <= P * (top / 254 + 1) * sub, "small value kept")
     if dtype == np.float64:
         # an ordinary array with one tiny block (the old guard looked only at the maximum)
         x = np.random.default_rng(r).standard_normal(1024)
