@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import heat_ensemble as heat  # noqa: E402
 import tp_prefill as tp  # noqa: E402
 
-pytestmark = pytest.mark.mpi(min_size=2)
+mpi2 = pytest.mark.mpi(min_size=2)
 
 # Measured at these sizes (seeded, so reproducible), 2 / 3 / 4 / 8 ranks:
 # int8 prefill output vs exact 1.23% / 1.45% / 1.52% / 2.03% relative L2
@@ -41,6 +41,7 @@ def small_tp(P):
                      mlp=64 * heads, tokens=64, seed=3)
 
 
+@mpi2
 def test_tp_exact_equals_single_process():
     comm = MPI.COMM_WORLD
     P, rank = comm.Get_size(), comm.Get_rank()
@@ -51,6 +52,7 @@ def test_tp_exact_equals_single_process():
     everywhere(comm, rel < 1e-5, f"exact TP forward vs single process (rel L2 {rel:.2e})")
 
 
+@mpi2
 def test_tp_int8_close_and_identical():
     comm = MPI.COMM_WORLD
     P = comm.Get_size()
@@ -75,6 +77,7 @@ def heat_cfg():
     return heat.Config(grid=64, members=2, steps=40, every=10, seed=5)
 
 
+@mpi2
 def test_heat_exact_mean_equals_serial():
     comm = MPI.COMM_WORLD
     cfg = heat_cfg()
@@ -95,6 +98,7 @@ def test_heat_exact_mean_equals_serial():
     everywhere(comm, res["exact_mean_anomaly_max"] > 0.01, "sources heat the field")
 
 
+@mpi2
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 def test_heat_int8_anomaly_beats_plain(dtype):
     comm = MPI.COMM_WORLD
