@@ -23,6 +23,7 @@ class Reducers(dict):
     def __init__(self, comm, names):
         super().__init__()
         self._qcs = []
+        self._by_name = {}
         for name in names:
             opts = METHODS[name]
             if opts is None:
@@ -30,12 +31,19 @@ class Reducers(dict):
             else:
                 qc = QuantizedComm(comm, **opts)
                 self._qcs.append(qc)
+                self._by_name[name] = qc
                 self[name] = lambda buf, q=qc: q.Allreduce(MPI.IN_PLACE, buf)
+
+    def qc(self, name):
+        """The QuantizedComm behind ``name`` (None for exact MPI), to read
+        what the library reports about its last call."""
+        return self._by_name.get(name)
 
     def free(self):
         for qc in self._qcs:
             qc.free()
         self._qcs = []
+        self._by_name = {}
 
     def __enter__(self):
         return self
