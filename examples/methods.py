@@ -11,8 +11,8 @@ from equarx_mpi import QuantizedComm
 
 METHODS = {
     "mpi": None,                                         # exact, what MPI codes use today
-    "bf16": dict(bits=16, min_quantized_bytes=0),        # uncompressed 16-bit ring
-    "int8": dict(bits=8, min_quantized_bytes=0),         # EQuARX int8 ring, every size
+    "bf16": dict(wire="bf16", min_quantized_bytes=0),    # uncompressed 16-bit ring
+    "int8": dict(wire="int8", min_quantized_bytes=0),    # EQuARX int8 ring, every size
 }
 
 
