@@ -9,14 +9,32 @@ The MPI-facing names load on first use, so ``python -m equarx_mpi.cluster``
 (a launcher) does not initialize MPI itself.
 """
 __version__ = "0.2.0"
-__all__ = ["QuantizedComm", "CallInfo", "allreduce", "abort_on_exception",
-           "QUANTIZED_DTYPES", "__version__"]
-_WHERE = {"QuantizedComm": "comm", "CallInfo": "comm", "allreduce": "helper",
+__all__ = ["QuantizedComm", "CallInfo", "Stats", "allreduce", "wrap", "warmup",
+           "waitall", "testall", "startall", "abort_on_exception", "QUANTIZED_DTYPES",
+           "__version__"]
+_WHERE = {"QuantizedComm": "comm", "CallInfo": "comm", "Stats": "comm", "allreduce": "helper",
+          "wrap": "wrap", "warmup": "warmup", "waitall": "nonblocking",
+          "testall": "nonblocking", "startall": "nonblocking",
           "abort_on_exception": "agree", "QUANTIZED_DTYPES": "validate"}
 
 
 def __getattr__(name):
     if name in _WHERE:
         import importlib
-        return getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value     # importing a submodule may have set the name
+        return value
     raise AttributeError(f"module 'equarx_mpi' has no attribute {name!r}")
+
+
+def _callable_module(name, fn):
+    """Make module ``name`` call ``fn``: ``equarx_mpi.wrap`` and
+    ``equarx_mpi.warmup`` name both a module and its function, and importing
+    the module sets the package's attribute to the module."""
+    import sys
+    import types
+
+    class CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+    sys.modules[name].__class__ = CallableModule

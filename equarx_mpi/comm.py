@@ -1,8 +1,13 @@
 """The public edge: QuantizedComm.  Arguments are checked (validate.py) and
 agreed across ranks (agree.py), the method is chosen (policy.py), then a
-schedule (ring.py) or exact MPI (exact.py) runs."""
+schedule (ring.py) or exact MPI (exact.py) runs, in the caller's thread or,
+for nonblocking and persistent calls, in the progress thread
+(nonblocking.py)."""
 import collections
 import os
+import sys
+import threading
+import time
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -10,6 +15,8 @@ from mpi4py import MPI
 
 from . import exact, formats, options, policy, ring
 from .agree import abort_on_exception, agree, raise_agreed
+from .buffers import OPAQUE
+from .nonblocking import Executor, PersistentRequest
 from .validate import BFLOAT16, check_buffers, op_name
 
 _PLAN_CACHE = 8
@@ -22,6 +29,48 @@ class CallInfo(NamedTuple):
     wire: Optional[str]       #: the wire format, None when exact
     reason: str               #: why this path, in words
     exact_values: int = 0     #: values of flagged blocks (Inf/NaN) reduced exactly afterwards
+    #: bytes this rank handed to MPI: counted for a schedule; for an exact
+    #: call the bandwidth-optimal amount (MPI's own algorithm may send more)
+    bytes_sent: int = 0
+    seconds: float = 0.0      #: time the call ran (a nonblocking call: from when it started)
+
+
+class Stats(NamedTuple):
+    """Totals over a communicator's calls (``QuantizedComm.stats``)."""
+    calls: int = 0
+    quantized_calls: int = 0
+    bytes_sent: int = 0           #: as CallInfo.bytes_sent, summed
+    #: what the same calls would have sent uncompressed in the input's type,
+    #: bandwidth-optimally: 2(P-1)/P of the message for an AllReduce,
+    #: (P-1)/P for a Reduce_scatter_block or Allgather
+    bytes_uncompressed: int = 0
+    seconds: float = 0.0
+
+
+def uncompressed_bytes(what, nbytes, P):
+    """Bytes a rank sends in a bandwidth-optimal exact collective on
+    ``nbytes`` (the whole message: P*m values for the two halves)."""
+    share = 2 * (P - 1) if what == "Allreduce" else P - 1
+    return nbytes * share // P
+
+
+class _Counting(MPI.Intracomm):
+    """The library's duplicate communicator; counts the bytes the schedules
+    send (whatever the schedule, it sends with Isend)."""
+    sent = 0
+
+    def Isend(self, buf, dest, tag=0):
+        self.sent += buf.nbytes
+        return super().Isend(buf, dest, tag)
+
+
+class Call:
+    """One checked and agreed call, ready to run (``_prepare``)."""
+    __slots__ = ("what", "send", "recv", "op", "name", "quantize", "reason", "nbytes")
+
+    def __init__(self, what, send, recv, op, name, quantize, reason, nbytes):
+        self.what, self.send, self.recv, self.op = what, send, recv, op
+        self.name, self.quantize, self.reason, self.nbytes = name, quantize, reason, nbytes
 
 
 def _kernel_view(a, writable):
@@ -45,6 +94,12 @@ class QuantizedComm:
     Traffic goes over a duplicate of ``comm``, so it never matches the
     caller's messages.  ``free()`` (or leaving a ``with`` block) releases it.
 
+    Buffers: numpy arrays (C or Fortran order, any shape: only the count
+    must agree between ranks) or any of mpi4py's buffer forms (buffers.py):
+    array.array, bytearray, memoryview, [buf, MPI.FLOAT], [buf, count,
+    MPI.FLOAT], [buf, (count, displ), MPI.FLOAT]; ``MPI.IN_PLACE`` or None
+    as sendbuf (or the same buffer twice for Allreduce) works in place.
+
     Options (keywords; each also settable as EQUARX_MPI_<NAME>, see options.py):
 
     wire: "int8" (dynamic block-wise int8, the product), or the uncompressed
@@ -60,13 +115,18 @@ class QuantizedComm:
     lossy_ops: the reductions that may travel quantized, from "sum", "max",
         "min"; default ("sum",): MAX and MIN are exact unless named here,
         and then MAX is never below (MIN never above) the true result.
+    lossy_allgather: whether a wrapped communicator's Allgather may travel
+        quantized (default False; QuantizedComm.Allgather, an explicit
+        request, always may).
     check: agree on every call's arguments across ranks first (one tiny
         Allreduce), so mismatched or bad calls raise the same error
         everywhere instead of hanging.  Turn off only if the caller
         guarantees consistent calls.
     max_message_bytes: split messages above this size.
 
-    After each call ``last_call`` (a CallInfo) says which path it took.
+    After each call ``last_call`` (a CallInfo) says which path it took, what
+    it sent and how long it ran; ``stats`` (a Stats) sums all calls.  With
+    EQUARX_MPI_LOG=1 rank 0 logs every call's decision on stderr.
     """
 
     def __init__(self, comm, **opts):
@@ -89,7 +149,11 @@ class QuantizedComm:
         self.algorithm, self.lossy_ops, self.check = o["algorithm"], o["lossy_ops"], o["check"]
         if os.environ.get("EQUARX_MPI_ABORT_ON_EXCEPTION", "1") != "0":
             abort_on_exception()
-        self._comm = comm.Dup()
+        self._comm = _Counting(comm).Dup()
+        # Agreements go over their own communicator: the caller's thread
+        # agrees on a new call while the progress thread may be running
+        # earlier ones on _comm.
+        self._ctl = self._comm.Dup()
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         self._compile_first = local.Get_rank() == 0
         #: all ranks on one node (shared memory); the same answer on every rank
@@ -97,14 +161,26 @@ class QuantizedComm:
         local.Free()
         self.min_quantized_bytes = policy.min_quantized_bytes(o, self.one_node)
         self.last_call = None
+        self._stats = Stats()
+        self._lock = threading.Lock()
+        self._log = options.logging() and self._comm.Get_rank() == 0
+        self._exec = Executor(self._comm)
         self._formats = {}
         self._plans = collections.OrderedDict()
         self._ws = np.empty(0, np.uint8)
 
+    @property
+    def stats(self):
+        """Totals over all calls so far (a Stats)."""
+        return self._stats
+
     # --- lifetime -----------------------------------------------------------
     def free(self):
-        """Collective: release the duplicate communicator and workspace."""
+        """Collective: complete queued calls, release the duplicate
+        communicators and workspace."""
         if self._comm is not None:
+            self._exec.close()
+            self._ctl.Free()
             self._comm.Free()
             self._comm = None
             self._plans.clear()
@@ -120,17 +196,21 @@ class QuantizedComm:
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """recvbuf = op over ranks of sendbuf.  ``MPI.IN_PLACE`` as sendbuf (or
         the same array twice) reduces recvbuf in place.  Returns None."""
-        send, recv, name = self._begin("Allreduce", sendbuf, recvbuf, op)
-        if name is None:
-            return
-        own = recv if send is None else send
-        n, B, P = recv.size, self.block_size, self._comm.Get_size()
-        nb = -(-n // B)
-        edges = [min(s * nb // P * B, n) for s in range(P + 1)]
-        shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
-        ranges = self._run("allreduce", shards, own, recv, name, 0, 0)
-        self._exact_after(exact.fix_allreduce(self._comm, ranges, own.reshape(-1),
-                                              recv.reshape(-1), op))
+        self._exec.run(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op))
+
+    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        """Nonblocking Allreduce: returns a request (an MPI.Grequest: Wait,
+        Test, MPI.Request.Waitall).  The arguments are checked and agreed
+        now; the call runs in the progress thread (nonblocking.py).  Leave
+        the buffers alone until the request completes."""
+        return self._exec.submit(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op))
+
+    def Allreduce_init(self, sendbuf, recvbuf, op=MPI.SUM):
+        """Persistent Allreduce: checks, agreement and the choice of path
+        happen once, here; each ``Start()`` of the returned request queues
+        the call, ``Wait()`` completes it (nonblocking.PersistentRequest)."""
+        return PersistentRequest(self._exec, self._execute,
+                                 self._prepare("Allreduce", sendbuf, recvbuf, op))
 
     def allreduce(self, x, op=MPI.SUM):
         """A new array with x's shape and dtype holding op over ranks of x."""
@@ -145,73 +225,121 @@ class QuantizedComm:
         (P*m values).  With ``MPI.IN_PLACE`` the input is recvbuf (P*m values)
         and the result goes to its first m.  The result is not requantized:
         it is the full-precision reduction of the quantized partial sums."""
-        send, recv, name = self._begin("Reduce_scatter_block", sendbuf, recvbuf, op)
-        if name is None:
-            return
-        P, r = self._comm.Get_size(), self._comm.Get_rank()
-        own = recv if send is None else send
-        m = own.size // P
-        # in place the result is staged, so the input survives for a fix-up
-        out = recv.reshape(-1)[:m] if send is not None else np.empty(m, recv.dtype)
-        ranges = self._run("reduce_scatter", [(s * m, m) for s in range(P)], own, out,
-                           name, 0, r * m)
-        self._exact_after(exact.fix_reduce_scatter(self._comm, ranges, own.reshape(-1),
-                                                   out, op, r, m))
-        if send is None:
-            recv.reshape(-1)[:m] = out
+        self._exec.run(self._execute,
+                       self._prepare("Reduce_scatter_block", sendbuf, recvbuf, op))
 
     def Allgather(self, sendbuf, recvbuf):
         """recvbuf (P*m values) = the m values of every rank, quantized once
         by their owner; the owner's own block is the dequantized form too, so
         recvbuf is identical on every rank.  ``MPI.IN_PLACE``: rank r's values
         are read from block r of recvbuf."""
-        send, recv, name = self._begin("Allgather", sendbuf, recvbuf, None)
-        if name is None:
-            return
-        P, r = self._comm.Get_size(), self._comm.Get_rank()
-        m = recv.size // P
-        flat = recv.reshape(-1)
-        own = flat[r * m:(r + 1) * m] if send is None else send.reshape(-1)
-        ranges = self._run("allgather", [(s * m, m) for s in range(P)], own, recv,
-                           "sum", r * m, 0)
-        self._exact_after(exact.fix_allgather(self._comm, ranges, own, flat, r))
+        self._exec.run(self._execute, self._prepare("Allgather", sendbuf, recvbuf, None))
 
     # --- internals --------------------------------------------------------------
-    def _begin(self, what, sendbuf, recvbuf, op):
-        """Checks agreed across ranks, then the choice of path.  Runs the
-        exact path (or the one-rank copy) itself and returns name None;
-        else (send or None for in place, recv, op name) for a quantized run."""
+    def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False):
+        """Checks agreed across ranks, and the choice of path: a Call.
+        With opaque_ok (a wrapped communicator) a buffer only MPI can read
+        gives a Call with recv OPAQUE, for MPI to run unchanged."""
         if self._comm is None:
             raise ValueError("equarx_mpi: this QuantizedComm has been freed")
         P = self._comm.Get_size()
-        send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P)
+        send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok)
         name = "sum" if what == "Allgather" else (
             op_name(op) if isinstance(op, MPI.Op) else None)
-        quantize, reason = False, ""
-        if err is None:
+        quantize, reason, nbytes = False, "device memory or a derived datatype: MPI unchanged", 0
+        if err is None and recv is not OPAQUE:
             nbytes = dict(meta)["count"] * recv.dtype.itemsize
-            quantize, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
-                                             P, self.one_node)
+            if nbytes == 0:
+                reason = "empty message"
+            else:
+                quantize, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
+                                                 P, self.one_node)
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
-            agree(self._comm, what, meta + [("quantized", int(quantize))], err)
+            agree(self._ctl, what, meta + [("quantized", int(quantize))], err)
         elif err is not None:
             raise err
-        if quantize:
-            self.last_call = CallInfo(what, self.algorithm, self.wire, reason)
-            return send, recv, name
-        self.last_call = CallInfo(what, "copy" if P == 1 else "mpi", None, reason)
-        if P == 1:
-            if send is not None:
-                recv[...] = send.reshape(recv.shape)
-        elif what == "Allgather":
-            exact.gather(self._comm, send, recv)
-        else:
-            exact.collective(self._comm, what, send, recv, op)
-        return send, recv, None
+        return Call(what, send, recv, op, name, quantize, reason, nbytes)
 
-    def _exact_after(self, count):
-        if count:
-            self.last_call = self.last_call._replace(exact_values=count)
+    def _execute(self, c):
+        """Run a prepared call on the library's communicator; its CallInfo."""
+        t0, sent0, fixed = time.perf_counter(), self._comm.sent, 0
+        P = self._comm.Get_size()
+        if c.quantize:
+            fixed = {"Allreduce": self._allreduce, "Allgather": self._allgather,
+                     "Reduce_scatter_block": self._reduce_scatter}[c.what](c)
+            info = CallInfo(c.what, self.algorithm, self.wire, c.reason, fixed,
+                            self._comm.sent - sent0)
+        else:
+            if P == 1:
+                if c.send is not None:
+                    c.recv[...] = c.send
+            elif c.what == "Allgather":
+                exact.gather(self._comm, c.send, c.recv)
+            else:
+                exact.collective(self._comm, c.what, c.send, c.recv, c.op)
+            info = CallInfo(c.what, "copy" if P == 1 else "mpi", None, c.reason, 0,
+                            uncompressed_bytes(c.what, c.nbytes, P))
+        return self._record(c, info, time.perf_counter() - t0)
+
+    def _timed(self, c, fn):
+        """fn(): MPI's own call for c, made by a wrapped communicator with
+        the caller's arguments; recorded like any call."""
+        t0 = time.perf_counter()
+        result = fn()
+        P = self._comm.Get_size()
+        self._record(c, CallInfo(c.what, "mpi", None, c.reason, 0,
+                                 uncompressed_bytes(c.what, c.nbytes, P)),
+                     time.perf_counter() - t0)
+        return result
+
+    def _record(self, c, info, seconds):
+        """Note a finished call: last_call, the totals, the log line."""
+        info = info._replace(seconds=seconds)
+        P = self._comm.Get_size()
+        with self._lock:
+            s = self._stats
+            self._stats = Stats(s.calls + 1, s.quantized_calls + bool(c.quantize),
+                                s.bytes_sent + info.bytes_sent,
+                                s.bytes_uncompressed + uncompressed_bytes(c.what, c.nbytes, P),
+                                s.seconds + seconds)
+            self.last_call = info
+        if self._log:
+            what = "?" if c.recv is OPAQUE else f"{c.nbytes} B {c.recv.dtype.name}"
+            path = f"{info.method}/{info.wire}" if info.wire else info.method
+            sys.stderr.write(f"equarx_mpi: {c.what} {what} {(c.name or '').upper()} -> "
+                             f"{path} ({info.reason}), {seconds * 1e3:.3f} ms, "
+                             f"{info.bytes_sent} B sent\n")
+        return info
+
+    def _allreduce(self, c):
+        own = c.recv if c.send is None else c.send
+        n, B, P = c.recv.size, self.block_size, self._comm.Get_size()
+        nb = -(-n // B)
+        edges = [min(s * nb // P * B, n) for s in range(P + 1)]
+        shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
+        ranges = self._run("allreduce", shards, own, c.recv, c.name, 0, 0)
+        return exact.fix_allreduce(self._comm, ranges, own, c.recv, c.op)
+
+    def _reduce_scatter(self, c):
+        P, r = self._comm.Get_size(), self._comm.Get_rank()
+        own = c.recv if c.send is None else c.send
+        m = own.size // P
+        # in place the result is staged, so the input survives for a fix-up
+        out = c.recv[:m] if c.send is not None else np.empty(m, c.recv.dtype)
+        ranges = self._run("reduce_scatter", [(s * m, m) for s in range(P)], own, out,
+                           c.name, 0, r * m)
+        fixed = exact.fix_reduce_scatter(self._comm, ranges, own, out, c.op, r, m)
+        if c.send is None:
+            c.recv[:m] = out
+        return fixed
+
+    def _allgather(self, c):
+        P, r = self._comm.Get_size(), self._comm.Get_rank()
+        m = c.recv.size // P
+        own = c.recv[r * m:(r + 1) * m] if c.send is None else c.send
+        ranges = self._run("allgather", [(s * m, m) for s in range(P)], own, c.recv,
+                           "sum", r * m, 0)
+        return exact.fix_allgather(self._comm, ranges, own, c.recv, r)
 
     def _format(self, kdtype):
         fmt = self._formats.get(kdtype.str)

@@ -6,7 +6,8 @@ Every option can be set by an environment variable ``EQUARX_MPI_<NAME>``
 the default, and an option passed in code still wins.  A value that does
 not parse is ignored with a warning (as mpi4py does with MPI4PY_RC_*); an
 unknown option passed in code is a TypeError.  ``EQUARX_MPI_DISABLE=1``
-makes every call take the exact MPI collective, whatever the code asks.
+makes every call take the exact MPI collective, whatever the code asks;
+``EQUARX_MPI_LOG=1`` logs every call's decision on rank 0 (stderr).
 """
 import os
 import warnings
@@ -27,6 +28,7 @@ DEFAULTS = dict(
     chunks=None,
     min_quantized_bytes=None,
     lossy_ops=("sum",),
+    lossy_allgather=False,
     check=True,
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
 )
@@ -38,13 +40,18 @@ def disabled():
     return os.environ.get(ENV_PREFIX + "DISABLE", "0") not in ("", "0")
 
 
+def logging():
+    """EQUARX_MPI_LOG=1: log each call's decision on rank 0."""
+    return os.environ.get(ENV_PREFIX + "LOG", "0") not in ("", "0")
+
+
 def _parse_env(name, text):
     t = text.strip()
     if name in ("wire", "algorithm"):
         return t
     if name == "lossy_ops":
         return tuple(s.strip().lower() for s in t.split(",") if s.strip())
-    if name == "check":
+    if name in ("check", "lossy_allgather"):
         if t.lower() in ("1", "true", "yes", "on"):
             return True
         if t.lower() in ("0", "false", "no", "off"):
@@ -119,8 +126,9 @@ def check(o):
     bad = [op for op in o["lossy_ops"] if op not in LOSSY_OPS]
     if bad:
         raise ValueError(f"lossy_ops may hold {', '.join(LOSSY_OPS)}, not {bad}")
-    if not isinstance(o["check"], (bool, np.bool_)):
-        raise ValueError(f"check must be True or False, not {o['check']!r}")
+    for name in ("check", "lossy_allgather"):
+        if not isinstance(o[name], (bool, np.bool_)):
+            raise ValueError(f"{name} must be True or False, not {o[name]!r}")
     mm = o["max_message_bytes"]
     one_block = formats.max_block_bytes(o["wire"], b)
     if not _is_int(mm) or not one_block <= mm < 2 ** 31:

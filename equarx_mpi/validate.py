@@ -5,6 +5,8 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
+from .buffers import FORMS, OPAQUE, is_in_place, message
+
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: Float dtypes that may travel quantized; anything else takes exact MPI.
 QUANTIZED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BFLOAT16)
@@ -31,28 +33,33 @@ def _same_memory(a, b):
             and a.nbytes == b.nbytes)
 
 
-def check_buffers(what, sendbuf, recvbuf, op, P):
+def check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok=False):
     """Checks for ``what`` in Allreduce, Reduce_scatter_block (recv = send /
-    P) and Allgather (recv = P x send).
+    P) and Allgather (recv = P x send).  The buffers may take any of mpi4py's
+    forms (buffers.py); ``None`` or ``MPI.IN_PLACE`` as sendbuf is in place.
 
-    Returns (send or None when in place, recv, meta, error): meta is a list
-    of (name, value) that every rank must share; count is the whole message
-    (P*m values for the two halves)."""
-    in_place = sendbuf is MPI.IN_PLACE
+    Returns (send or None when in place, recv, meta, error): send and recv
+    are flat views of the messages' values; meta is a list of (name, value)
+    that every rank must share; count is the whole message (P*m values for
+    the two halves).  Shapes need not agree between ranks, only counts (as
+    in MPI).  With ``opaque_ok`` a buffer only MPI can read (device memory,
+    a derived datatype) gives recv = buffers.OPAQUE instead of an error."""
+    in_place = is_in_place(sendbuf)
     reduces = what != "Allgather"
     meta = [("call", what), ("op", op_name(op) if isinstance(op, MPI.Op) else "none")]
     try:
         if reduces and not isinstance(op, MPI.Op):
             raise TypeError(f"{what}: op must be an MPI.Op such as MPI.SUM, not {op!r}")
-        if not isinstance(recvbuf, np.ndarray):
-            raise TypeError(f"{what}: recvbuf must be a numpy array, not {type(recvbuf).__name__}")
-        if not in_place and not isinstance(sendbuf, np.ndarray):
-            raise TypeError(f"{what}: sendbuf must be a numpy array or MPI.IN_PLACE, "
-                            f"not {type(sendbuf).__name__}")
-        # subclasses (np.matrix, masked arrays) as the plain arrays they hold
-        recvbuf = recvbuf.view(np.ndarray)
-        send = None if in_place else sendbuf.view(np.ndarray)
-        dt = recvbuf.dtype
+        blocked = what == "Allgather" or (in_place and what == "Reduce_scatter_block")
+        recv = message(recvbuf, f"{what}: recvbuf", P if blocked else 1)
+        send = None if in_place else message(
+            sendbuf, f"{what}: sendbuf", P if what == "Reduce_scatter_block" else 1)
+        if recv is OPAQUE or send is OPAQUE:
+            if opaque_ok:
+                return None, OPAQUE, meta + [("count", "opaque"), ("dtype", "opaque")], None
+            raise TypeError(f"{what}: device memory and derived datatypes go to MPI "
+                            f"unchanged only through equarx_mpi.wrap(comm); pass {FORMS}")
+        dt = recv.dtype
         if send is not None and send.dtype != dt:
             raise TypeError(f"{what}: sendbuf dtype {send.dtype} differs from recvbuf dtype {dt}")
         if dt not in QUANTIZED_DTYPES and dt.kind not in "biufc":
@@ -62,34 +69,23 @@ def check_buffers(what, sendbuf, recvbuf, op, P):
         if dt == BFLOAT16 and reduces and op_name(op) == "user-defined op":
             raise TypeError(f"{what}: a user-defined op cannot reduce bfloat16 "
                             f"(MPI has no bfloat16 type)")
-        if not recvbuf.flags.c_contiguous:
-            raise ValueError(f"{what}: recvbuf must be C-contiguous (shape {recvbuf.shape}, "
-                             f"strides {recvbuf.strides})")
-        if not recvbuf.flags.writeable:
+        if not recv.flags.writeable:
             raise ValueError(f"{what}: recvbuf is read-only")
         if send is not None:
-            if not send.flags.c_contiguous:
-                raise ValueError(f"{what}: sendbuf must be C-contiguous (shape {send.shape}, "
-                                 f"strides {send.strides})")
             want = {"Allreduce": send.size, "Allgather": P * send.size,
                     "Reduce_scatter_block": send.size // P}[what]
-            if recvbuf.size != want or (what == "Reduce_scatter_block" and send.size % P):
+            if recv.size != want:
                 raise ValueError(f"{what}: sendbuf has {send.size} values and recvbuf "
-                                 f"{recvbuf.size}; with {P} ranks recvbuf needs {want}"
-                                 + (f" and sendbuf a multiple of {P}"
-                                    if what == "Reduce_scatter_block" else ""))
-            if np.may_share_memory(send, recvbuf):
-                if what != "Allreduce" or not _same_memory(send, recvbuf):
+                                 f"{recv.size}; with {P} ranks recvbuf needs {want}")
+            if np.may_share_memory(send, recv):
+                if what != "Allreduce" or not _same_memory(send, recv):
                     raise ValueError(f"{what}: sendbuf and recvbuf overlap; pass "
                                      f"MPI.IN_PLACE to work in place")
                 send = None
-        elif what != "Allreduce" and recvbuf.size % P:
-            raise ValueError(f"{what}: in place, recvbuf's {recvbuf.size} values do not split "
-                             f"into {P} equal blocks")
         total = send.size if what == "Reduce_scatter_block" and send is not None else (
-            recvbuf.size)
-        meta += [("count", int(total)), ("dtype", dt), ("shape", recvbuf.shape)]
-        return send, recvbuf, meta, None
+            recv.size)
+        meta += [("count", int(total)), ("dtype", dt)]
+        return send, recv, meta, None
     except (TypeError, ValueError) as e:
-        meta += [("count", "?"), ("dtype", "?"), ("shape", "?")]
-        return None, recvbuf, meta, e
+        meta += [("count", "?"), ("dtype", "?")]
+        return None, None, meta, e

@@ -1,0 +1,205 @@
+"""Nonblocking and persistent calls: one progress thread per QuantizedComm.
+
+A nonblocking call is checked and agreed across ranks when it is made
+(errors are raised right there, on every rank, as for a blocking call),
+then queued.  The communicator's progress thread runs queued calls one at
+a time, in the order they were made, on the library's duplicate
+communicator, while the caller computes: the thread drives MPI (it sits in
+MPI_Wait inside the schedule) and runs the numba kernels, which release the
+GIL.  A blocking call first waits for the queue to empty, then runs in the
+caller's thread; so every rank executes its calls in program order, and
+the schedules' messages match.
+
+Requests are MPI generalized requests (MPI.Grequest), completed by the
+thread, so ``MPI.Request.Waitall``/``Testall``/``Waitany`` accept them
+mixed with any other MPI request.  ``Wait`` and ``Test`` on our requests
+first wait on a thread event, so a waiting caller sleeps instead of spinning.
+
+Persistent requests (``Allreduce_init``) are Python objects with Start,
+Wait, Test and Free, as MPI.Prequest has (MPI offers no user-defined
+persistent requests): ``waitall``/``testall``/``startall`` here take any
+mix of them and MPI requests, and ``.request`` is the MPI request of the
+current round.
+
+Needs MPI_THREAD_MULTIPLE (mpi4py asks for it by default; see
+``MPI.Query_thread()``).  Without it a nonblocking call runs to completion
+when it is made and returns a completed request: correct, with no overlap.
+
+A failure while a queued call runs (not an argument error: those are
+raised when the call is made) cannot be raised on every rank, since peers
+are inside the collective: it ends the job with ``Abort``, as a failure
+inside a blocking quantized call does.
+"""
+import collections
+import sys
+import threading
+
+from mpi4py import MPI
+
+
+class Request(MPI.Grequest):
+    """A nonblocking call in flight: an MPI request completed by the
+    progress thread.  ``info`` is the call's CallInfo once complete."""
+
+    def _setup(self):
+        self._done = threading.Event()
+        self.info = None
+        return self
+
+    def Wait(self, status=None):
+        self._done.wait()
+        return super().Wait(status)
+
+    def Test(self, status=None):
+        if not self._done.is_set():
+            return False
+        return super().Test(status)
+
+
+class Executor:
+    """Runs calls one at a time in the order they were made; started on
+    the first nonblocking call."""
+
+    def __init__(self, comm):
+        self._comm = comm                 # for Abort only
+        self._cv = threading.Condition()
+        self._queue = collections.deque()
+        self._pending = 0                 # queued or running
+        self._thread = None
+        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+    def run(self, fn, arg):
+        """Run fn(arg) here, after everything queued before it."""
+        self.drain()
+        return fn(arg)
+
+    def submit(self, fn, arg):
+        """Queue fn(arg); a Request completed when it has run."""
+        g = MPI.Grequest.Start()
+        req = Request(g)._setup()
+        if not self.threaded:
+            self._finish(g, req, self.run(fn, arg))
+            return req
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="equarx_mpi progress")
+                self._thread.start()
+            self._queue.append((fn, arg, g, req))
+            self._pending += 1
+            self._cv.notify_all()
+        return req
+
+    def drain(self):
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+
+    def close(self):
+        self.drain()
+        if self._thread is not None:
+            with self._cv:
+                self._queue.append(None)
+                self._cv.notify_all()
+            self._thread.join()
+            self._thread = None
+
+    @staticmethod
+    def _finish(g, req, info):
+        # g is the thread's own handle object: the caller may be in
+        # MPI_Waitall on req (the same MPI request) while this completes it.
+        req.info = info
+        g.Complete()
+        req._done.set()
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                item = self._queue.popleft()
+            if item is None:
+                return
+            fn, arg, g, req = item
+            try:
+                info = fn(arg)
+            except BaseException as exc:   # peers are inside the collective
+                sys.stderr.write(f"equarx_mpi: rank {self._comm.Get_rank()}: a queued call "
+                                 f"failed, aborting the job: {exc!r}\n")
+                sys.stderr.flush()
+                self._comm.Abort(1)
+                raise
+            self._finish(g, req, info)
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
+
+
+class PersistentRequest:
+    """The request of ``Allreduce_init``: the call was checked, agreed and
+    its path chosen once; each Start() queues it, Wait()/Test() complete it."""
+
+    def __init__(self, executor, fn, call):
+        self._exec, self._fn, self._call = executor, fn, call
+        self._req = None
+        self.info = None
+
+    @property
+    def request(self):
+        """The MPI request of the current round (MPI.REQUEST_NULL when inactive)."""
+        return MPI.REQUEST_NULL if self._req is None else self._req
+
+    def Start(self):
+        if self._req is not None and not self._req._done.is_set():
+            raise ValueError("equarx_mpi: Start() on an active persistent request; "
+                             "Wait() for it first")
+        if self._fn is None:
+            raise ValueError("equarx_mpi: Start() on a freed persistent request")
+        self._req = self._exec.submit(self._fn, self._call)
+
+    def Wait(self, status=None):
+        if self._req is not None:
+            self._req.Wait(status)
+            self.info, self._req = self._req.info, None
+        return True
+
+    def Test(self, status=None):
+        if self._req is None or self._req.Test(status):
+            self.Wait()
+            return True
+        return False
+
+    def Free(self):
+        """Completes the current round, if any, and releases the request."""
+        self.Wait()
+        self._fn = self._call = None
+
+
+def startall(requests):
+    for r in requests:
+        r.Start()
+
+
+def waitall(requests):
+    """Wait for every request: ours (plain or persistent) and MPI's, mixed."""
+    mpi = []
+    for r in requests:
+        if isinstance(r, (Request, PersistentRequest)):
+            r.Wait()
+        else:
+            mpi.append(r)
+    if mpi:
+        MPI.Request.Waitall(mpi)
+    return True
+
+
+def testall(requests):
+    """True once every request has completed (completing them all), else False."""
+    ours = [r for r in requests if isinstance(r, (Request, PersistentRequest))]
+    if not all(r._req is None or r._req._done.is_set() if isinstance(r, PersistentRequest)
+               else r._done.is_set() for r in ours):
+        return False
+    mpi = [r for r in requests if not isinstance(r, (Request, PersistentRequest))]
+    if mpi and not MPI.Request.Testall(mpi):
+        return False
+    return waitall(ours)

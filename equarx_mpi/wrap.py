@@ -1,0 +1,194 @@
+"""``equarx_mpi.wrap(comm)``: a drop-in communicator for existing mpi4py code.
+
+The wrapped communicator *is* an mpi4py communicator: an instance of a
+subclass of comm's own class (MPI.Intracomm, MPI.Cartcomm, ...) holding the
+same MPI handle.  So isinstance checks, ``==``/``Compare`` against comm
+(IDENT), passing it to other libraries, and every method not listed below
+behave exactly as on comm, and its point-to-point messages and other
+collectives match ranks that use comm itself.
+
+Through the library's policy (QuantizedComm; lossy only where asked for):
+    Allreduce, Iallreduce, Allreduce_init, Reduce_scatter_block, and
+    allreduce for numpy float arrays.  By default only SUM of float arrays
+    above the size crossover travels quantized; MAX/MIN (unless lossy_ops
+    names them), integers, every other op and dtype, and buffers only MPI
+    can read (device memory, derived datatypes) go to comm's own method
+    with the caller's arguments unchanged.
+    Allgather too, but only with lossy_allgather=True; by default it is
+    comm's own.
+    allreduce of anything else (scalars, lists, dicts; a Python function as
+    op) is mpi4py's pickle-based allreduce.  All ranks of one call must pass
+    the same kind: numpy float arrays everywhere, or nowhere.
+Dup/Clone/Idup/Split/Split_type/Create/Create_group return wrapped
+communicators with the same options (COMM_NULL stays COMM_NULL); Free()
+also frees the library's duplicates.  ``last_call`` and ``stats`` report
+what the calls did (comm.py CallInfo, Stats).
+
+Every rank of comm must call wrap() (it is collective); options are those
+of QuantizedComm, and EQUARX_MPI_<OPTION> / EQUARX_MPI_DISABLE apply.
+"""
+import functools
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _callable_module, exact
+from .buffers import OPAQUE
+from .comm import QuantizedComm, Stats
+from .nonblocking import PersistentRequest
+from .validate import QUANTIZED_DTYPES
+
+
+def wrap(comm, **opts):
+    """A communicator that is ``comm`` (same handle, same class and more) whose
+    reduction collectives go through equarx_mpi's policy.  Collective."""
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"wrap needs an mpi4py intra-communicator, not "
+                        f"{type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError("wrap: comm is MPI.COMM_NULL")
+    w = _rewrap(comm, opts, new=True)
+    w._equarx()      # now: bad options raise here, on every rank
+    return w
+
+
+def _mpi_class(cls):
+    """The mpi4py class that cls is or derives from."""
+    return next(c for c in cls.__mro__ if c.__module__ == "mpi4py.MPI")
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapped_class(base):
+    return type(f"Wrapped{base.__name__}", (_Wrapped, base),
+                {"__module__": __name__, "__doc__": __doc__})
+
+
+def _rewrap(comm, opts, new=False):
+    """comm as a wrapped communicator with options opts: a new object holding
+    the same handle, unless mpi4py just made it of our class (not new)."""
+    if comm == MPI.COMM_NULL:
+        return comm
+    if new or not isinstance(comm, _Wrapped):
+        comm = _wrapped_class(_mpi_class(type(comm)))(comm)
+    comm._eq_opts, comm._eq_qc = dict(opts), None
+    return comm
+
+
+def _send_arg(c, sendbuf):
+    # what MPI gets as sendbuf: in place when the checks found it so (the
+    # same array twice is in place for us, an aliasing error for MPI)
+    return sendbuf if c.recv is OPAQUE or c.send is not None else MPI.IN_PLACE
+
+
+def _runs_here(c):
+    """Whether the library runs this call: quantized, or a dtype mpi4py
+    cannot hand to MPI (bfloat16), else MPI with the caller's arguments."""
+    return c.quantize or (c.recv is not OPAQUE and c.recv.dtype in exact.UPCAST_DTYPES)
+
+
+class _Wrapped:
+    """The methods a wrapped communicator overrides (see the module text)."""
+
+    # mpi4py makes objects of our class without __init__ (Dup, Idup): the
+    # method that made them sets the options (_rewrap), else the defaults hold.
+    _eq_opts = {}
+    _eq_qc = None
+
+    def _equarx(self):
+        """The QuantizedComm behind this communicator, made on first use
+        (collective: only ever from a collective call)."""
+        if self._eq_qc is None:
+            self._eq_qc = QuantizedComm(_mpi_class(type(self))(self), **self._eq_opts)
+        return self._eq_qc
+
+    @property
+    def last_call(self):
+        """CallInfo of the last reduction call (None before the first)."""
+        return None if self._eq_qc is None else self._eq_qc.last_call
+
+    @property
+    def stats(self):
+        """Totals over this communicator's reduction calls (comm.Stats)."""
+        return Stats() if self._eq_qc is None else self._eq_qc.stats
+
+    # --- through the policy ----------------------------------------------------
+    def _blocking(self, what, sendbuf, recvbuf, op, mpi_call):
+        qc = self._equarx()
+        c = qc._prepare(what, sendbuf, recvbuf, op, opaque_ok=True)
+        if _runs_here(c):
+            qc._exec.run(qc._execute, c)
+        else:
+            qc._timed(c, lambda: mpi_call(_send_arg(c, sendbuf)))
+
+    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        self._blocking("Allreduce", sendbuf, recvbuf, op,
+                       lambda s: super(_Wrapped, self).Allreduce(s, recvbuf, op))
+
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
+        self._blocking("Reduce_scatter_block", sendbuf, recvbuf, op,
+                       lambda s: super(_Wrapped, self).Reduce_scatter_block(s, recvbuf, op))
+
+    def Allgather(self, sendbuf, recvbuf):
+        if not self._equarx().options["lossy_allgather"]:
+            return super().Allgather(sendbuf, recvbuf)
+        self._blocking("Allgather", sendbuf, recvbuf, None,
+                       lambda s: super(_Wrapped, self).Allgather(s, recvbuf))
+
+    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        qc = self._equarx()
+        c = qc._prepare("Allreduce", sendbuf, recvbuf, op, opaque_ok=True)
+        if _runs_here(c):
+            return qc._exec.submit(qc._execute, c)
+        return qc._timed(c, lambda: super(_Wrapped, self).Iallreduce(
+            _send_arg(c, sendbuf), recvbuf, op))
+
+    def Allreduce_init(self, sendbuf, recvbuf, op=MPI.SUM, info=MPI.INFO_NULL):
+        qc = self._equarx()
+        c = qc._prepare("Allreduce", sendbuf, recvbuf, op, opaque_ok=True)
+        if _runs_here(c):
+            return PersistentRequest(qc._exec, qc._execute, c)
+        return super().Allreduce_init(_send_arg(c, sendbuf), recvbuf, op, info)
+
+    def allreduce(self, sendobj, op=MPI.SUM):
+        if not (isinstance(sendobj, np.ndarray) and sendobj.dtype in QUANTIZED_DTYPES
+                and isinstance(op, MPI.Op)):
+            return super().allreduce(sendobj, op)
+        x = np.ascontiguousarray(sendobj).reshape(sendobj.shape)
+        out = np.empty_like(x)
+        self.Allreduce(x, out, op)
+        return out
+
+    # --- communicators made from this one are wrapped too -------------------------
+    def Dup(self, info=None):
+        return _rewrap(super().Dup(info), self._eq_opts)
+
+    def Clone(self):
+        return _rewrap(super().Clone(), self._eq_opts)
+
+    def Dup_with_info(self, info):
+        return _rewrap(super().Dup_with_info(info), self._eq_opts)
+
+    def Idup(self, info=None):
+        comm, req = super().Idup(info)
+        return _rewrap(comm, self._eq_opts), req
+
+    def Split(self, color=0, key=0):
+        return _rewrap(super().Split(color, key), self._eq_opts)
+
+    def Split_type(self, split_type, key=0, info=MPI.INFO_NULL):
+        return _rewrap(super().Split_type(split_type, key, info), self._eq_opts)
+
+    def Create(self, group):
+        return _rewrap(super().Create(group), self._eq_opts)
+
+    def Create_group(self, group, tag=0):
+        return _rewrap(super().Create_group(group, tag), self._eq_opts)
+
+    def Free(self):
+        if self._eq_qc is not None:
+            self._eq_qc.free()
+            self._eq_qc = None
+        super().Free()
+
+
+_callable_module(__name__, wrap)
