@@ -80,6 +80,12 @@ class Native:
             getattr(lib, name).restype = res
         self.lib = lib
 
+    @classmethod
+    def for_isa(cls, isa="native", build=True):
+        """The C reference as built for ``isa`` (a key of ISAS)."""
+        folder, cflags, _ = ISAS[isa]
+        return cls(os.path.join(NATIVE_DIR, folder, "libequarx_ref.so"), build, cflags)
+
     @staticmethod
     def _ptr(a, dtype, writable=False):
         if a.dtype != dtype or not a.flags.c_contiguous:
@@ -220,13 +226,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.block < 1 or args.repeat < 1 or min(args.count) < 1:
         ap.error("--count, --block and --repeat must be positive")
-    build, cflags, env = ISAS[args.isa]
+    build, _, env = ISAS[args.isa]
     if env is not None and any(os.environ.get(k) != v for k, v in env.items()):
         # numba reads its target when it is imported: measure in a child
         r = subprocess.run([sys.executable, "-m", "equarx_mpi.kernelbench", *argv],
                            env={**os.environ, **env})
         return r.returncode
-    native = Native(os.path.join(NATIVE_DIR, build, "libequarx_ref.so"), cflags=cflags)
+    native = Native.for_isa(args.isa)
     with open(os.path.join(NATIVE_DIR, build, "cflags")) as f:
         c_cmd = f.read().strip()
     print("# int8 block kernels, float32 input, SUM, one core; "

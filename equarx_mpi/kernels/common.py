@@ -20,6 +20,26 @@ OP_SUM, OP_MAX, OP_MIN = 0, 1, 2
 #: a decoded value is never below (UP) or above (DOWN) the value encoded.
 ROUND_NEAREST, ROUND_UP, ROUND_DOWN = 0, 1, 2
 CACHE = dict(cache=True, nogil=True)
+#: For the kernels that allocate nothing: without numba's reference counting
+#: (NRT), an array handed to an inlined helper costs no atomic incref/decref
+#: calls, which LLVM cannot remove and which cost as much as a small block.
+#: Such a kernel must not create arrays (views of its arguments are fine).
+KERNEL = dict(CACHE, _nrt=False)
+
+
+@intrinsic
+def wide_vectors(typingctx):
+    """Called first in a kernel: LLVM may vectorize it with the widest
+    registers the CPU has.  LLVM's tuning for recent Xeons prefers 256 bits
+    even where 512-bit registers exist (gcc -march=native does not); the
+    function attribute "prefer-vector-width"="512" lifts that for this
+    function only.  A CPU without AVX-512 keeps its widest (256 bits)."""
+    def codegen(context, builder, sig, args):
+        # llvmlite's attribute set admits only enum attributes by name; a
+        # string attribute is printed as given, so add it past the check.
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+    return types.none(), codegen
 
 
 # --- bit casts --------------------------------------------------------------
