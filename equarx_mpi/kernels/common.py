@@ -35,9 +35,12 @@ def wide_vectors(typingctx):
     function attribute "prefer-vector-width"="512" lifts that for this
     function only.  A CPU without AVX-512 keeps its widest (256 bits)."""
     def codegen(context, builder, sig, args):
-        # llvmlite's attribute set admits only enum attributes by name; a
-        # string attribute is printed as given, so add it past the check.
-        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        # llvmlite's attribute set (a set) admits only enum attributes by
+        # name; a string attribute is printed as given, so add it past the
+        # check.  Only a hint: should llvmlite change, the kernel stays right.
+        attrs = builder.function.attributes
+        if isinstance(attrs, set):
+            set.add(attrs, '"prefer-vector-width"="512"')
         return context.get_dummy_value()
     return types.none(), codegen
 
