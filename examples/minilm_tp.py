@@ -196,8 +196,11 @@ def compare(emb, ref):
 
 def limit_blas_threads(comm):
     """Give each rank its share of the node's cores, so that P ranks times
-    BLAS threads do not oversubscribe them (returns the active limiter)."""
+    BLAS threads do not oversubscribe them (returns the active limiter, or
+    None where OMP_NUM_THREADS or OPENBLAS_NUM_THREADS already decides)."""
     from threadpoolctl import threadpool_limits
+    if {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} & set(os.environ):
+        return None
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     ranks = node.Get_size()
     node.Free()

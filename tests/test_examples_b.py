@@ -36,7 +36,8 @@ def blas_threads():
     """One share of the cores per rank: oversubscribed BLAS threads spin."""
     limiter = dp_digits.limit_blas_threads(MPI.COMM_WORLD)
     yield
-    limiter.restore_original_limits()
+    if limiter is not None:
+        limiter.restore_original_limits()
 
 
 @pytest.fixture(scope="module")
