@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers  # noqa: E402
+from methods import METHODS, Reducers, limit_blas_threads  # noqa: E402
 
 SIZES = (64, 1024, 1024, 10)
 
@@ -225,19 +225,6 @@ def main():
                            **{k: getattr(args, k) for k in
                               ("epochs", "batch", "lr", "momentum", "seed")},
                            methods=rows), f, indent=1)
-
-
-def limit_blas_threads(comm):
-    """Give each rank its share of the node's cores, so that P ranks times
-    BLAS threads do not oversubscribe them (returns the active limiter, or
-    None where OMP_NUM_THREADS or OPENBLAS_NUM_THREADS already decides)."""
-    from threadpoolctl import threadpool_limits
-    if {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} & set(os.environ):
-        return None
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks = node.Get_size()
-    node.Free()
-    return threadpool_limits(max(1, (os.cpu_count() or 1) // ranks))
 
 
 if __name__ == "__main__":

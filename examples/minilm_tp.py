@@ -36,7 +36,7 @@ from mpi4py import MPI
 from scipy.special import erf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers  # noqa: E402
+from methods import METHODS, Reducers, limit_blas_threads  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, LAYERS, MLP = 384, 12, 32, 6, 1536
 MAX_TOKENS = 256                       # sentence-transformers' max_seq_length for this model
@@ -192,19 +192,6 @@ def compare(emb, ref):
                 sim_change_max=float(np.abs(e @ e.T - r @ r.T).max()),
                 nn_changed=int(changed.sum()), nn_changed_clear=int(changed[margin >= TIE].sum()),
                 near_ties=int(np.sum(margin < TIE)))
-
-
-def limit_blas_threads(comm):
-    """Give each rank its share of the node's cores, so that P ranks times
-    BLAS threads do not oversubscribe them (returns the active limiter, or
-    None where OMP_NUM_THREADS or OPENBLAS_NUM_THREADS already decides)."""
-    from threadpoolctl import threadpool_limits
-    if {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} & set(os.environ):
-        return None
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks = node.Get_size()
-    node.Free()
-    return threadpool_limits(max(1, (os.cpu_count() or 1) // ranks))
 
 
 def timed(reduce, spent):
