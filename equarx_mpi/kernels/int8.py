@@ -25,9 +25,12 @@ whose largest magnitude rounds to Inf there (common.out_limit).
 
 Directed rounding (ROUND_UP / ROUND_DOWN, for MAX / MIN) takes the ceiling
 or floor and then checks the decoded value, so x' >= x (or <= x) always.
-Inner loops index with uint64 (numba then skips negative-index wraparound,
-which would turn vector loads into gathers) and call no helper that
-returns a tuple (LLVM does not vectorize through those).
+Speed (docs/results/kernels-*.txt): inner loops index with uint64 (numba
+then skips negative-index wraparound, which would turn vector loads into
+gathers); the per-block helpers are inlined in numba's IR (inline='always'),
+and the kernels run without reference counting (common.KERNEL) and with the
+CPU's widest vectors (common.wide_vectors), so a block costs no call and no
+atomic refcount update.  Kernels that call these helpers should do the same.
 """
 import numpy as np
 from numba import njit, types
