@@ -104,18 +104,20 @@ def f16_to_f32(h):
 @njit(**CACHE)
 def f32_to_f16(f):
     # Round to nearest even; after F. Giesen's float_to_half_fast3_rtne.
+    # Branch-free (all three cases computed, then selected; uint32 kept
+    # explicitly, numba widens integer arithmetic), so that loops storing
+    # float16 vectorize.
     u = f32_as_u32(f)
     sign = u & np.uint32(0x80000000)
-    u = u ^ sign
-    if u >= np.uint32((127 + 16) << 23):      # overflow, Inf or NaN
-        o = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
-    elif u < np.uint32(113 << 23):            # subnormal or zero result
-        magic = u32_as_f32(np.uint32(((127 - 15) + (23 - 10) + 1) << 23))
-        o = f32_as_u32(u32_as_f32(u) + magic) - f32_as_u32(magic)
-    else:
-        odd = (u >> np.uint32(13)) & np.uint32(1)
-        u = u + np.uint32(((15 - 127) << 23) + 0xFFF) + odd
-        o = u >> np.uint32(13)
+    u = np.uint32(u ^ sign)
+    big = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    magic = u32_as_f32(np.uint32(((127 - 15) + (23 - 10) + 1) << 23))
+    small = np.uint32(f32_as_u32(u32_as_f32(u) + magic) - f32_as_u32(magic))
+    odd = (u >> np.uint32(13)) & np.uint32(1)
+    normal = np.uint32(np.uint32(u + np.uint32(((15 - 127) << 23) + 0xFFF) + odd)
+                       >> np.uint32(13))
+    o = big if u >= np.uint32((127 + 16) << 23) else (
+        small if u < np.uint32(113 << 23) else normal)
     return np.int16(np.uint16(o | (sign >> np.uint32(16))))
 
 
