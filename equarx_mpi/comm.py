@@ -306,7 +306,8 @@ class QuantizedComm:
         if self._log:
             what = "?" if c.recv is OPAQUE else f"{c.nbytes} B {c.recv.dtype.name}"
             path = f"{info.method}/{info.wire}" if info.wire else info.method
-            sys.stderr.write(f"equarx_mpi: {c.what} {what} {(c.name or '').upper()} -> "
+            op = "" if c.what == "Allgather" else f" {c.name.upper()}"
+            sys.stderr.write(f"equarx_mpi: {c.what} {what}{op} -> "
                              f"{path} ({info.reason}), {seconds * 1e3:.3f} ms, "
                              f"{info.bytes_sent} B sent\n")
         return info

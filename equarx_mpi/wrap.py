@@ -21,7 +21,8 @@ Through the library's policy (QuantizedComm; lossy only where asked for):
     the same kind: numpy float arrays everywhere, or nowhere.
 Dup/Clone/Idup/Split/Split_type/Create/Create_group return wrapped
 communicators with the same options (COMM_NULL stays COMM_NULL); Free()
-also frees the library's duplicates.  ``last_call`` and ``stats`` report
+and free() also free the library's duplicates (free() it is for a wrapped
+COMM_WORLD: MPI cannot Free that).  ``last_call`` and ``stats`` report
 what the calls did (comm.py CallInfo, Stats).
 
 Every rank of comm must call wrap() (it is collective); options are those
@@ -184,11 +185,20 @@ class _Wrapped:
     def Create_group(self, group, tag=0):
         return _rewrap(super().Create_group(group, tag), self._eq_opts)
 
-    def Free(self):
+    def _eq_release(self):
         if self._eq_qc is not None:
             self._eq_qc.free()
             self._eq_qc = None
+
+    def Free(self):
         super().Free()
+        self._eq_release()
+
+    def free(self):
+        """Release the library's duplicates; then mpi4py's free(): Free()
+        unless the handle is null or predefined (a wrapped COMM_WORLD)."""
+        self._eq_release()
+        super().free()
 
 
 _callable_module(__name__, wrap)

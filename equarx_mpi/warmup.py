@@ -1,0 +1,104 @@
+"""Fill numba's on-disk cache with every kernel, once, after installing.
+
+    python -m equarx_mpi.warmup          # or equarx_mpi.warmup() in Python
+
+The kernels are compiled by numba on first use and cached on disk.  A cold
+cache costs the first quantized call of a process several seconds (every
+kernel for that input type and wire); with the cache filled, loading takes
+a fraction of a second.  This compiles (or loads) every kernel the
+schedules use, for every input type (float32, float64, float16, bfloat16)
+and every wire format (formats.WIRES), and says where the cache is.
+
+Where numba keeps it: in ``__pycache__`` next to the kernel modules
+(equarx_mpi/kernels/__pycache__/*.nbi, *.nbc) when that folder is
+writable; else in a per-user folder (numba's user-wide cache, under
+~/.cache); or wherever NUMBA_CACHE_DIR points, which replaces both.  For a
+read-only install (a shared site-packages, a container image), set
+NUMBA_CACHE_DIR to a writable folder both when running this and when
+running jobs (or run this as the installing user, so __pycache__ is
+filled).  Run it on one rank, before jobs start: ranks compiling the same
+kernel at once all pay for it (QuantizedComm staggers them: one rank per
+node first, the others load its result).
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _dispatchers():
+    from . import kernels
+    from numba.core.dispatcher import Dispatcher
+    seen = {}
+    for mod in (kernels.common, kernels.int8, kernels.plain):
+        for obj in vars(mod).values():
+            if isinstance(obj, Dispatcher):
+                seen[id(obj)] = obj
+    return list(seen.values())
+
+
+def _counts(dispatchers):
+    hits = sum(sum(d.stats.cache_hits.values()) for d in dispatchers)
+    misses = sum(sum(d.stats.cache_misses.values()) for d in dispatchers)
+    return hits, misses
+
+
+def cache_locations(dispatchers=None):
+    """The folders numba reads and writes the kernels' cache in."""
+    out = set()
+    for d in dispatchers or _dispatchers():
+        path = getattr(getattr(d, "_cache", None), "_cache_path", None)
+        if path:
+            out.add(path)
+    return sorted(out)
+
+
+def warmup(verbose=False):
+    """Compile, or load from numba's cache, every kernel for every input
+    type and wire format.  Returns a dict: seconds, compiled (kernel
+    signatures compiled now), loaded (found in the cache), cache (folders)."""
+    from . import formats
+    from .comm import _kernel_view, _warm
+    from .validate import QUANTIZED_DTYPES
+    t0 = time.perf_counter()
+    ds = _dispatchers()
+    hits0, misses0 = _counts(ds)
+    for wire in formats.WIRES:
+        for dt in QUANTIZED_DTYPES:
+            kd = _kernel_view(np.zeros(1, dt), False).dtype
+            t = time.perf_counter()
+            _warm(formats.make_format(wire, 256, kd), kd)
+            if verbose:
+                print(f"  {wire:5s} {np.dtype(dt).name:9s} {time.perf_counter() - t:7.2f} s",
+                      flush=True)
+    ds = _dispatchers()
+    hits, misses = _counts(ds)
+    return dict(seconds=time.perf_counter() - t0, compiled=misses - misses0,
+                loaded=hits - hits0, cache=cache_locations(ds))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m equarx_mpi.warmup",
+                                description=__doc__.split("\n\n")[1],
+                                epilog=__doc__.split("\n\n", 3)[3],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    args = p.parse_args(argv)
+    if not args.quiet:
+        where = os.environ.get("NUMBA_CACHE_DIR")
+        print(f"# equarx_mpi.warmup: NUMBA_CACHE_DIR={where or '(unset)'}", flush=True)
+    r = warmup(verbose=not args.quiet)
+    print(f"# {r['compiled']} kernel signatures compiled, {r['loaded']} loaded from the "
+          f"cache, {r['seconds']:.2f} s", flush=True)
+    for path in r["cache"]:
+        print(f"# cache: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+else:
+    from . import _callable_module
+    _callable_module(__name__, warmup)
