@@ -157,6 +157,9 @@ def build_parser():
     p.add_argument("--plot", metavar="FILE.png", help="times, speedup and error against size "
                    "(needs matplotlib: pip install equarx_mpi[plot])")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--overlap", action="store_true",
+                   help="time a nonblocking AllReduce against a compute loop of about its "
+                   "length, alone and together (benchoverlap.py)")
     return p
 
 
@@ -172,6 +175,8 @@ def _arg_error(args, methods):
         return f"--stepfactor must be at least 2, got {args.stepfactor}"
     if args.iters < 1 or args.warmup < 0:
         return f"need --iters >= 1 and --warmup >= 0, got -n {args.iters} -w {args.warmup}"
+    if args.overlap and args.plot:
+        return "--plot does not draw --overlap runs; use --json"
     if args.data == "offset" and args.dtype == "float16":
         return "--data offset does not fit float16 (101325 > 65504): use float32 or float64"
     return None
@@ -239,11 +244,21 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
     say("# methods:")
     for m in methods:
         say(f"#   {m:12s} {METHODS[m][0]}")
-    say(LEGEND)
-    say("#" + " ".join(f"{name:>{w}}" for name, w in COLUMNS)[1:])
     rows = []
     todo = sorted({max(1, b // dtype.itemsize)
                    for b in sizes(args.minbytes, args.maxbytes, args.stepfactor)})
+    if args.overlap:
+        from . import benchoverlap
+        rows = benchoverlap.run(args, comm, qcs, methods, dtype, todo, say, _path)
+        for qc in qcs.values():
+            qc.free()
+        if rank == 0 and args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": P, "dtype": dtype.name, "mpi": mpi_library(),
+                           "argv": sys.argv[1:], "overlap": rows}, f, indent=1)
+        return rows
+    say(LEGEND)
+    say("#" + " ".join(f"{name:>{w}}" for name, w in COLUMNS)[1:])
     for i, count in enumerate(todo):
         if rank == 0 and not args.quiet:
             sys.stderr.write(f"# [{i + 1}/{len(todo)}] {human(count * dtype.itemsize)}\n")

@@ -16,7 +16,7 @@ from mpi4py import MPI
 from . import exact, formats, options, policy, ring
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
-from .nonblocking import Executor, PersistentRequest
+from .nonblocking import Executor, PersistentRequest, PoliteRequest
 from .validate import BFLOAT16, check_buffers, op_name
 
 _PLAN_CACHE = 8
@@ -56,12 +56,19 @@ def uncompressed_bytes(what, nbytes, P):
 
 class _Counting(MPI.Intracomm):
     """The library's duplicate communicator; counts the bytes the schedules
-    send (whatever the schedule, it sends with Isend)."""
+    send (whatever the schedule, it sends with Isend).  While the progress
+    thread runs a call (``polite``), its requests wait without spinning."""
     sent = 0
+    polite = False
 
     def Isend(self, buf, dest, tag=0):
         self.sent += buf.nbytes
-        return super().Isend(buf, dest, tag)
+        req = super().Isend(buf, dest, tag)
+        return PoliteRequest(req) if self.polite else req
+
+    def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
+        req = super().Irecv(buf, source, tag)
+        return PoliteRequest(req) if self.polite else req
 
 
 class Call:
@@ -264,6 +271,7 @@ class QuantizedComm:
         """Run a prepared call on the library's communicator; its CallInfo."""
         t0, sent0, fixed = time.perf_counter(), self._comm.sent, 0
         P = self._comm.Get_size()
+        self._comm.polite = self._exec.in_thread()
         if c.quantize:
             fixed = {"Allreduce": self._allreduce, "Allgather": self._allgather,
                      "Reduce_scatter_block": self._reduce_scatter}[c.what](c)

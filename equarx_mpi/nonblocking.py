@@ -33,8 +33,24 @@ inside a blocking quantized call does.
 import collections
 import sys
 import threading
+import time
 
 from mpi4py import MPI
+
+
+class PoliteRequest(MPI.Request):
+    """A point-to-point request of a call the progress thread runs: its Wait
+    polls with growing pauses (10 to 250 us) instead of spinning in
+    MPI_Wait, so waiting for the network leaves the cores to the caller's
+    computation.  (The socket buffers keep a link busy for longer than a
+    pause; a blocking call, in the caller's thread, still spins.)"""
+
+    def Wait(self, status=None):
+        pause = 1e-5
+        while not self.Test(status):
+            time.sleep(pause)
+            pause = min(2 * pause, 2.5e-4)
+        return True
 
 
 class Request(MPI.Grequest):
@@ -67,6 +83,10 @@ class Executor:
         self._pending = 0                 # queued or running
         self._thread = None
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+    def in_thread(self):
+        """Whether the caller is the progress thread."""
+        return self._thread is not None and threading.current_thread() is self._thread
 
     def run(self, fn, arg):
         """Run fn(arg) here, after everything queued before it."""
