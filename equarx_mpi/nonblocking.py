@@ -30,10 +30,12 @@ raised when the call is made) cannot be raised on every rank, since peers
 are inside the collective: it ends the job with ``Abort``, as a failure
 inside a blocking quantized call does.
 """
+import atexit
 import collections
 import sys
 import threading
 import time
+import weakref
 
 from mpi4py import MPI
 
@@ -105,6 +107,10 @@ class Executor:
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name="equarx_mpi progress")
                 self._thread.start()
+                # queued calls finish before mpi4py's own exit handler
+                # (registered earlier, run later) finalizes MPI
+                ref = weakref.ref(self)
+                atexit.register(lambda: ref() is not None and ref().drain())
             self._queue.append((fn, arg, g, req))
             self._pending += 1
             self._cv.notify_all()

@@ -318,3 +318,16 @@ def test_module_names_stay_callable():
         mod = importlib.import_module(f"equarx_mpi.{name}")
         assert callable(getattr(equarx_mpi, name)) and callable(mod)
         assert getattr(mod, name).__name__ == name
+
+
+def test_bench_overlap_runs():
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+    r = subprocess.run([MPIRUN, "-n", "2", sys.executable, "-m", "equarx_mpi.bench",
+                        "--overlap", "-b", "64K", "-e", "64K", "-m", "mpi,int8-raw",
+                        "-w", "1", "-n", "2", "-q"], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [s.split() for s in r.stdout.splitlines() if s.strip() and not s.startswith("#")]
+    assert [row[3] for row in rows] == ["mpi", "int8-raw"] and rows[1][4] == "ring/int8", r.stdout
+    assert "hidden: median" in r.stdout
