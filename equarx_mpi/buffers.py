@@ -95,6 +95,8 @@ def _index(v, what, where):
 def message(spec, where="recvbuf", blocks=1):
     """The values of buffer argument ``spec`` as a 1-D numpy view (read-only
     if the memory is), or OPAQUE.  blocks: the count is per block of that many."""
+    if type(spec) is np.ndarray and spec.flags.c_contiguous and spec.size % blocks == 0:
+        return spec.reshape(-1)         # the common case, quickly
     count = displ = dtype = None
     if isinstance(spec, (list, tuple)):
         items = list(spec)

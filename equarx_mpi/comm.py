@@ -168,7 +168,8 @@ class QuantizedComm:
         local.Free()
         self.min_quantized_bytes = policy.min_quantized_bytes(o, self.one_node)
         self.last_call = None
-        self._stats = Stats()
+        self._size = self._comm.Get_size()
+        self._totals = [0, 0, 0, 0, 0.0]      # Stats' fields, summed
         self._lock = threading.Lock()
         self._log = options.logging() and self._comm.Get_rank() == 0
         self._exec = Executor(self._comm)
@@ -179,7 +180,8 @@ class QuantizedComm:
     @property
     def stats(self):
         """Totals over all calls so far (a Stats)."""
-        return self._stats
+        with self._lock:
+            return Stats(*self._totals)
 
     # --- lifetime -----------------------------------------------------------
     def free(self):
@@ -249,7 +251,7 @@ class QuantizedComm:
         gives a Call with recv OPAQUE, for MPI to run unchanged."""
         if self._comm is None:
             raise ValueError("equarx_mpi: this QuantizedComm has been freed")
-        P = self._comm.Get_size()
+        P = self._size
         send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok)
         name = "sum" if what == "Allgather" else (
             op_name(op) if isinstance(op, MPI.Op) else None)
@@ -269,54 +271,50 @@ class QuantizedComm:
 
     def _execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
-        t0, sent0, fixed = time.perf_counter(), self._comm.sent, 0
-        P = self._comm.Get_size()
+        t0, sent0, P = time.perf_counter(), self._comm.sent, self._size
         self._comm.polite = self._exec.in_thread()
         if c.quantize:
             fixed = {"Allreduce": self._allreduce, "Allgather": self._allgather,
                      "Reduce_scatter_block": self._reduce_scatter}[c.what](c)
-            info = CallInfo(c.what, self.algorithm, self.wire, c.reason, fixed,
-                            self._comm.sent - sent0)
+            return self._record(c, CallInfo(c.what, self.algorithm, self.wire, c.reason, fixed,
+                                            self._comm.sent - sent0, time.perf_counter() - t0))
+        if P == 1:
+            if c.send is not None:
+                c.recv[...] = c.send
+        elif c.what == "Allgather":
+            exact.gather(self._comm, c.send, c.recv)
         else:
-            if P == 1:
-                if c.send is not None:
-                    c.recv[...] = c.send
-            elif c.what == "Allgather":
-                exact.gather(self._comm, c.send, c.recv)
-            else:
-                exact.collective(self._comm, c.what, c.send, c.recv, c.op)
-            info = CallInfo(c.what, "copy" if P == 1 else "mpi", None, c.reason, 0,
-                            uncompressed_bytes(c.what, c.nbytes, P))
-        return self._record(c, info, time.perf_counter() - t0)
+            exact.collective(self._comm, c.what, c.send, c.recv, c.op)
+        return self._record(c, CallInfo(c.what, "copy" if P == 1 else "mpi", None, c.reason, 0,
+                                        uncompressed_bytes(c.what, c.nbytes, P),
+                                        time.perf_counter() - t0))
 
     def _timed(self, c, fn):
         """fn(): MPI's own call for c, made by a wrapped communicator with
         the caller's arguments; recorded like any call."""
         t0 = time.perf_counter()
         result = fn()
-        P = self._comm.Get_size()
         self._record(c, CallInfo(c.what, "mpi", None, c.reason, 0,
-                                 uncompressed_bytes(c.what, c.nbytes, P)),
-                     time.perf_counter() - t0)
+                                 uncompressed_bytes(c.what, c.nbytes, self._size),
+                                 time.perf_counter() - t0))
         return result
 
-    def _record(self, c, info, seconds):
+    def _record(self, c, info):
         """Note a finished call: last_call, the totals, the log line."""
-        info = info._replace(seconds=seconds)
-        P = self._comm.Get_size()
         with self._lock:
-            s = self._stats
-            self._stats = Stats(s.calls + 1, s.quantized_calls + bool(c.quantize),
-                                s.bytes_sent + info.bytes_sent,
-                                s.bytes_uncompressed + uncompressed_bytes(c.what, c.nbytes, P),
-                                s.seconds + seconds)
+            t = self._totals
+            t[0] += 1
+            t[1] += bool(c.quantize)
+            t[2] += info.bytes_sent
+            t[3] += uncompressed_bytes(c.what, c.nbytes, self._size)
+            t[4] += info.seconds
             self.last_call = info
         if self._log:
             what = "?" if c.recv is OPAQUE else f"{c.nbytes} B {c.recv.dtype.name}"
             path = f"{info.method}/{info.wire}" if info.wire else info.method
             op = "" if c.what == "Allgather" else f" {c.name.upper()}"
             sys.stderr.write(f"equarx_mpi: {c.what} {what}{op} -> "
-                             f"{path} ({info.reason}), {seconds * 1e3:.3f} ms, "
+                             f"{path} ({info.reason}), {info.seconds * 1e3:.3f} ms, "
                              f"{info.bytes_sent} B sent\n")
         return info
 
