@@ -4,11 +4,18 @@ A nonblocking call is checked and agreed across ranks when it is made
 (errors are raised right there, on every rank, as for a blocking call),
 then queued.  The communicator's progress thread runs queued calls one at
 a time, in the order they were made, on the library's duplicate
-communicator, while the caller computes: the thread drives MPI (it sits in
-MPI_Wait inside the schedule) and runs the numba kernels, which release the
-GIL.  A blocking call first waits for the queue to empty, then runs in the
-caller's thread; so every rank executes its calls in program order, and
-the schedules' messages match.
+communicator, while the caller computes: the thread drives MPI (polling
+its requests with short sleeps, PoliteRequest) and runs the numba kernels,
+which release the GIL.  A blocking call first waits for the queue to empty,
+then runs in the caller's thread; so every rank executes its calls in
+program order, and the schedules' messages match.
+
+What overlaps: computation that leaves the GIL and a core to the thread
+at each of its steps, such as numpy and BLAS calls on large arrays.  A
+pure-Python loop holds the GIL, and many tiny numpy calls hand it back
+to the caller first (CPython's GIL favours the running thread for up to
+sys.getswitchinterval(), 5 ms), so the thread advances slowly; with more
+busy threads than cores it also waits for a core at every step.
 
 Requests are MPI generalized requests (MPI.Grequest), completed by the
 thread, so ``MPI.Request.Waitall``/``Testall``/``Waitany`` accept them

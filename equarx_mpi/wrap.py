@@ -21,7 +21,7 @@ Through the library's policy (QuantizedComm; lossy only where asked for):
     the same kind: numpy float arrays everywhere, or nowhere.
 Dup/Clone/Idup/Split/Split_type/Create/Create_group return wrapped
 communicators with the same options (COMM_NULL stays COMM_NULL); Free()
-and free() also free the library's duplicates (free() it is for a wrapped
+and free() also free the library's duplicates (use free() on a wrapped
 COMM_WORLD: MPI cannot Free that).  ``last_call`` and ``stats`` report
 what the calls did (comm.py CallInfo, Stats).
 
