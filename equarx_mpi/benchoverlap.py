@@ -27,13 +27,17 @@ LEGEND = """\
 #   size(B), count, type   message per rank
 #   path      what the AllReduce ran: "exact" or algorithm/wire
 #   allreduce(us)  Iallreduce + Wait, alone
+#   cpu(us)        CPU time the process used meanwhile (all its threads, user + system):
+#                  what the AllReduce takes from the cores, which no overlap can hide
+#                  when the computation needs every core
 #   compute(us)    the matmul loop alone (reps: 64x64 float64 matmuls)
 #   both(us)       Iallreduce, the matmul loop, Wait
 #   hidden(us)     allreduce + compute - both
 #   hidden%        hidden / min(allreduce, compute): 100 = the shorter fully hidden"""
 
 COLUMNS = (("size(B)", 12), ("count", 11), ("type", 8), ("method", 12), ("path", 13),
-           ("reps", 7), ("allreduce(us)", 13), ("compute(us)", 12), ("both(us)", 11),
+           ("reps", 7), ("allreduce(us)", 13), ("cpu(us)", 10), ("compute(us)", 12),
+           ("both(us)", 11),
            ("hidden(us)", 11), ("hidden%", 8))
 
 
@@ -48,10 +52,12 @@ def _matmuls():
     return compute
 
 
-def _timed(comm, fn):
+def _timed(comm, fn, cpu=None):
     comm.Barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
     return time.perf_counter() - t0
 
 
@@ -81,12 +87,15 @@ def one(comm, start, count, dtype, compute, args):
         req.Wait()
     times = {"allreduce": [], "compute": [], "both": []}
     fns = {"allreduce": allreduce, "compute": lambda: compute(reps), "both": both}
+    cpu = []
     for _ in range(args.warmup):
         both()
     for _ in range(args.iters):
         for k in times:                         # interleaved: noise hits all alike
-            times[k].append(_timed(comm, fns[k]))
-    return {k: float(np.median(v)) for k, v in times.items()}, reps
+            times[k].append(_timed(comm, fns[k], cpu if k == "allreduce" else None))
+    out = {k: float(np.median(v)) for k, v in times.items()}
+    out["cpu"] = float(np.median(cpu))
+    return out, reps
 
 
 def run(args, comm, qcs, methods, dtype, todo, say, path_of):
@@ -117,7 +126,8 @@ def run(args, comm, qcs, methods, dtype, todo, say, path_of):
                        hidden_us=hidden * 1e6, hidden_share=hidden / shorter)
             rows.append(row)
             cells = (row["bytes"], count, dtype.name, m, row["path"], reps,
-                     *(f"{row['time_us'][k]:.1f}" for k in ("allreduce", "compute", "both")),
+                     *(f"{row['time_us'][k]:.1f}"
+                       for k in ("allreduce", "cpu", "compute", "both")),
                      f"{hidden * 1e6:.1f}", f"{100 * hidden / shorter:.0f}")
             say(" " + " ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, COLUMNS))[1:])
     if rank == 0 and rows:
