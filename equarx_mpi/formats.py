@@ -162,6 +162,7 @@ class AffineBlock(_Format):
         self.name = name
         self.levels = 255 if name == "int8-affine" else 15
         self.head = acc_dtype(kdtype)
+        self.scratch = np.empty(2 * block, self.head)     # values and their codes
 
     def _code_bytes(self, n):
         return n if self.levels == 255 else (n + 1) // 2

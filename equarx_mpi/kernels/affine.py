@@ -68,20 +68,11 @@ def _dec(t, levels, lo, hi, base, d, inv_s, k):
 
 
 @njit(inline='always', **CACHE)
-def _get(codes, i, nibbles):
-    """Code i of a piece (byte, or nibble i % 2 of byte i // 2)."""
-    if nibbles:
-        return np.int64((codes[i >> _U(1)] >> ((i & _U(1)) << _U(2))) & np.uint8(15))
-    return np.int64(codes[i])
-
-
-@njit(inline='always', **CACHE)
-def _code(x, lo, hi, base, d, inv_s, s, r, k, levels, rmode):
-    """The code of x in a block with lo < hi."""
+def _code(x, lo, hi, base, d, inv_s, s, r, k, levels, up):
+    """The directed code of x in a block with lo < hi: ceiling (up) or
+    floor, then moved while the decoded value is still below (above) x."""
     q = (x * s - base) * r
-    if rmode == ROUND_NEAREST:
-        return np.int64(np.rint(q))
-    if rmode == ROUND_UP:
+    if up:
         t = np.int64(min(np.ceil(q), cast_like(q, levels)))
         while t < levels and _dec(t, levels, lo, hi, base, d, inv_s, k) < x:
             t += 1
@@ -92,11 +83,40 @@ def _code(x, lo, hi, base, d, inv_s, s, r, k, levels, rmode):
     return t
 
 
+@njit(inline='always', **CACHE)
+def _levels_into(vals, off, m, scratch, lo, hi, levels, rmode):
+    """scratch[:m] = the codes of vals[off:off+m] (as floats), lo < hi."""
+    base, d, inv_s, s = _scale(lo, hi)
+    lv = cast_like(lo, levels)
+    r = lv / d
+    if rmode == ROUND_NEAREST:
+        for j in range(m):
+            scratch[j] = np.rint((vals[_U(off + j)] * s - base) * r)
+        return
+    k = cast_like(lo, 1) / lv
+    up = rmode == ROUND_UP
+    for j in range(m):
+        scratch[j] = _code(vals[_U(off + j)], lo, hi, base, d, inv_s, s, r, k, levels, up)
+
+
+@njit(inline='always', **CACHE)
+def _put(t, m, codes, at, nibbles):
+    """Store the codes t[:m] (floats) from byte ``at``, one or two per byte."""
+    if nibbles:
+        for j in range(m >> 1):
+            codes[at + _U(j)] = np.uint8(np.int32(t[2 * j]) | (np.int32(t[2 * j + 1]) << 4))
+        if m & 1:
+            codes[at + _U(m >> 1)] = np.uint8(np.int32(t[m - 1]))
+    else:
+        for j in range(m):
+            codes[at + _U(j)] = np.uint8(np.int32(t[j]))
+
+
 @njit(**CACHE)
-def emit(vals, off, m, heads, b, codes, lo_i, levels, rmode):
+def emit(vals, off, m, heads, b, codes, lo_i, levels, tcodes, rmode):
     """Quantize vals[off:off+m] (accumulation type) into heads[2b:2b+2] and
-    the codes of values lo_i..lo_i+m-1 (lo_i even for nibbles)."""
-    like = as_acc(heads, 0)
+    the codes of values lo_i..lo_i+m-1 (lo_i even for nibbles); tcodes
+    holds m floats."""
     kmin = order_key(as_acc(heads, np.inf))
     kmax = order_key(as_acc(heads, -np.inf))
     for j in range(m):
@@ -104,60 +124,34 @@ def emit(vals, off, m, heads, b, codes, lo_i, levels, rmode):
         kmin = min(kmin, key)
         kmax = max(kmax, key)
     nibbles = levels < 16
-    nbytes = (m + 1) >> 1 if nibbles else m
     at = _U(lo_i >> 1) if nibbles else _U(lo_i)
     if kmax >= order_key(as_acc(heads, np.inf)) or kmin <= order_key(as_acc(heads, -np.inf)):
         heads[2 * b] = -np.inf                    # flagged: Inf or NaN inside
         heads[2 * b + 1] = np.inf
-        for j in range(nbytes):
+        for j in range((m + 1) >> 1 if nibbles else m):
             codes[at + _U(j)] = 0
         return
-    lo, hi = from_order_key(kmin, like), from_order_key(kmax, like)
+    lo, hi = from_order_key(kmin, heads[0]), from_order_key(kmax, heads[0])
     heads[2 * b] = lo
     heads[2 * b + 1] = hi
-    if hi - lo == 0:                  # constant: exact; a zero of the other sign -> hi
+    if hi - lo == 0:             # constant: exact; a zero of the other sign -> hi
         neg = np.signbit(lo)
-        if nibbles:
-            for j in range(m >> 1):
-                t0 = 0 if np.signbit(vals[_U(off + 2 * j)]) == neg else levels
-                t1 = 0 if np.signbit(vals[_U(off + 2 * j + 1)]) == neg else levels
-                codes[at + _U(j)] = np.uint8(t0 | (t1 << 4))
-            if m & 1:
-                codes[at + _U(m >> 1)] = np.uint8(
-                    0 if np.signbit(vals[_U(off + m - 1)]) == neg else levels)
-        else:
-            for j in range(m):
-                codes[at + _U(j)] = np.uint8(0 if np.signbit(vals[_U(off + j)]) == neg
-                                             else levels)
-        return
-    base, d, inv_s, s = _scale(lo, hi)
-    lv = cast_like(like, levels)
-    r = lv / d
-    k = cast_like(like, 1) / lv
-    if nibbles:
-        for j in range(m >> 1):
-            t0 = _code(vals[_U(off + 2 * j)], lo, hi, base, d, inv_s, s, r, k, levels, rmode)
-            t1 = _code(vals[_U(off + 2 * j + 1)], lo, hi, base, d, inv_s, s, r, k, levels,
-                       rmode)
-            codes[at + _U(j)] = np.uint8(t0 | (t1 << 4))
-        if m & 1:
-            codes[at + _U(m >> 1)] = np.uint8(
-                _code(vals[_U(off + m - 1)], lo, hi, base, d, inv_s, s, r, k, levels, rmode))
-    else:
         for j in range(m):
-            codes[at + _U(j)] = np.uint8(_code(vals[_U(off + j)], lo, hi, base, d, inv_s, s,
-                                               r, k, levels, rmode))
+            tcodes[j] = 0 if np.signbit(vals[_U(off + j)]) == neg else levels
+    else:
+        _levels_into(vals, off, m, tcodes, lo, hi, levels, rmode)
+    _put(tcodes, m, codes, at, nibbles)
 
 
 @njit(_nrt=False, **CACHE)
 def af_encode(src, heads, codes, block, levels, scratch, rmode):
-    """(heads, codes) = Q(src)."""
+    """(heads, codes) = Q(src); scratch holds 2 * block values."""
     n = src.size
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
         vals, off = acc_block(src, lo, m, scratch)
-        emit(vals, off, m, heads, b, codes, lo, levels, rmode)
+        emit(vals, off, m, heads, b, codes, lo, levels, scratch[block:], rmode)
 
 
 @njit(inline='always', **CACHE)
@@ -168,6 +162,34 @@ def _block_head(heads, b, levels):
     return lo, hi, base, d, inv_s, cast_like(lo, 1) / cast_like(lo, levels)
 
 
+@njit(inline='always', **CACHE)
+def _decode_block(heads, codes, b, lo_i, m, levels, dst, at_dst):
+    """dst[at_dst:at_dst+m] = D(block b), stored in dst's type; the caller
+    has checked the block is not flagged."""
+    lo, hi, base, d, inv_s, k = _block_head(heads, b, levels)
+    if levels < 16:
+        at = _U(lo_i >> 1)
+        for j in range(m >> 1):
+            byte = codes[at + _U(j)]
+            store(dst, _U(at_dst + 2 * j),
+                  _dec(np.int64(byte & np.uint8(15)), levels, lo, hi, base, d, inv_s, k))
+            store(dst, _U(at_dst + 2 * j + 1),
+                  _dec(np.int64(byte >> np.uint8(4)), levels, lo, hi, base, d, inv_s, k))
+        if m & 1:
+            store(dst, _U(at_dst + m - 1),
+                  _dec(np.int64(codes[at + _U(m >> 1)]), levels, lo, hi, base, d, inv_s, k))
+    else:
+        for j in range(m):
+            store(dst, _U(at_dst + j),
+                  _dec(np.int64(codes[_U(lo_i + j)]), levels, lo, hi, base, d, inv_s, k))
+
+
+@njit(inline='always', **CACHE)
+def _skip(heads, b, limit):
+    """Whether block b is flagged, or reaches ``limit`` (out's overflow)."""
+    return not max(abs(heads[2 * b]), abs(heads[2 * b + 1])) < limit
+
+
 @njit(_nrt=False, **CACHE)
 def af_decode(heads, codes, out, block, levels, skipped):
     """out = D(heads, codes); flagged blocks (and blocks too large for
@@ -175,38 +197,38 @@ def af_decode(heads, codes, out, block, levels, skipped):
     skipped[:number]."""
     n = out.size
     limit = out_limit(out)
-    nibbles = levels < 16
     flagged = 0
     for b in range((n + block - 1) // block):
         lo_i = b * block
         m = min(block, n - lo_i)
-        lo, hi, base, d, inv_s, k = _block_head(heads, b, levels)
-        if not max(abs(lo), abs(hi)) < limit:
+        if _skip(heads, b, limit):
             skipped[flagged] = b
             flagged += 1
             continue
-        for j in range(m):
-            i = _U(lo_i + j)
-            store(out, i, _dec(_get(codes, i, nibbles), levels, lo, hi, base, d, inv_s, k))
+        _decode_block(heads, codes, b, lo_i, m, levels, out, lo_i)
     return flagged
 
 
 @njit(inline='always', **CACHE)
 def _reduce_block(own, heads, codes, b, lo_i, m, levels, op, scratch):
     """scratch[:m] = own[lo_i:lo_i+m] (op) D(block b); returns the largest
-    magnitude bits (those of Inf for a flagged block, scratch unset)."""
-    lo, hi, base, d, inv_s, k = _block_head(heads, b, levels)
-    mx = abs_bits(cast_like(lo, 0))
-    if not max(abs(lo), abs(hi)) < np.inf:
-        return abs_bits(cast_like(lo, np.inf))
-    nibbles = levels < 16
-    for j in range(m):
-        i = _U(lo_i + j)
-        x = _dec(_get(codes, i, nibbles), levels, lo, hi, base, d, inv_s, k)
-        v = load(own, i)
-        v = v + x if op == OP_SUM else reduce2(op, v, x)
-        scratch[j] = v
-        mx = max(mx, abs_bits(v))
+    magnitude bits (those of Inf for a flagged block, scratch unset).
+    Decodes into scratch first, then combines: two tight loops over a
+    block that stays in cache."""
+    mx = abs_bits(as_acc(heads, 0))
+    if _skip(heads, b, as_acc(heads, np.inf)):
+        return abs_bits(as_acc(heads, np.inf))
+    _decode_block(heads, codes, b, lo_i, m, levels, scratch, 0)
+    if op == OP_SUM:
+        for j in range(m):
+            v = load(own, _U(lo_i + j)) + scratch[j]
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
+    else:
+        for j in range(m):
+            v = reduce2(op, load(own, _U(lo_i + j)), scratch[j])
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
     return mx
 
 
@@ -236,7 +258,7 @@ def af_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, levels, op, sc
     """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
     place allowed (a block is read whole into scratch before it is
     written).  A flagged input block, or a result holding Inf or NaN, gives
-    a flagged output block."""
+    a flagged output block.  scratch holds 2 * block values."""
     n = own.size
     inf_u = abs_bits(as_acc(h_in, np.inf))
     for b in range((n + block - 1) // block):
@@ -244,4 +266,4 @@ def af_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, levels, op, sc
         m = min(block, n - lo_i)
         if _reduce_block(own, h_in, c_in, b, lo_i, m, levels, op, scratch) >= inf_u:
             scratch[0] = np.inf                   # so that emit flags the block
-        emit(scratch, 0, m, h_out, b, c_out, lo_i, levels, rmode)
+        emit(scratch, 0, m, h_out, b, c_out, lo_i, levels, scratch[block:], rmode)

@@ -90,11 +90,10 @@ def _e4m3_bits(y):
             u = f32_as_u32(y)
             s = (u >> np.uint32(24)) & np.uint32(0x80)
             u = u & np.uint32(0x7FFFFFFF)
-            if u < np.uint32(121 << 23):
-                mag = np.uint32(np.rint(u32_as_f32(u) * np.float32(512.0)))
-            else:
-                mag = ((u + np.uint32(0x7FFFF) + ((u >> np.uint32(20)) & np.uint32(1)))
-                       >> np.uint32(20)) - np.uint32(120 << 3)
+            sub = np.uint32(np.rint(u32_as_f32(u) * np.float32(512.0)))
+            norm = ((u + np.uint32(0x7FFFF) + ((u >> np.uint32(20)) & np.uint32(1)))
+                    >> np.uint32(20)) - np.uint32(120 << 3)
+            mag = sub if u < np.uint32(121 << 23) else norm
             return np.uint8(s | min(mag, np.uint32(MAX_CODE)))
         return b32
     if y == types.float64:
@@ -102,11 +101,10 @@ def _e4m3_bits(y):
             u = f64_as_u64(y)
             s = (u >> np.uint64(56)) & np.uint64(0x80)
             u = u & np.uint64(0x7FFFFFFFFFFFFFFF)
-            if u < np.uint64(1017 << 52):
-                mag = np.uint64(np.rint(u64_as_f64(u) * 512.0))
-            else:
-                mag = ((u + np.uint64((1 << 48) - 1) + ((u >> np.uint64(49)) & np.uint64(1)))
-                       >> np.uint64(49)) - np.uint64(1016 << 3)
+            sub = np.uint64(np.rint(u64_as_f64(u) * 512.0))
+            norm = ((u + np.uint64((1 << 48) - 1) + ((u >> np.uint64(49)) & np.uint64(1)))
+                    >> np.uint64(49)) - np.uint64(1016 << 3)
+            mag = sub if u < np.uint64(1017 << 52) else norm
             return np.uint8(s | min(mag, np.uint64(MAX_CODE)))
         return b64
 
@@ -211,13 +209,18 @@ def _reduce_block(own, header, codes, b, lo, m, op, scratch):
     mx = abs_bits(as_acc(header, 0))
     if not abs(a) < np.inf:
         return abs_bits(as_acc(header, np.inf))
-    for j in range(m):
-        i = _U(lo + j)
-        d = scaled(a, codes[i]) * a
-        v = load(own, i)
-        v = v + d if op == OP_SUM else reduce2(op, v, d)
-        scratch[j] = v
-        mx = max(mx, abs_bits(v))
+    if op == OP_SUM:
+        for j in range(m):
+            i = _U(lo + j)
+            v = load(own, i) + scaled(a, codes[i]) * a
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
+    else:
+        for j in range(m):
+            i = _U(lo + j)
+            v = reduce2(op, load(own, i), scaled(a, codes[i]) * a)
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
     return mx
 
 

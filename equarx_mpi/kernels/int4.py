@@ -92,11 +92,16 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
     levels = as_acc(header, LEVELS)
     r = levels / (a * lift)
     k = as_acc(header, 1) / levels
-    for j in range(half):
-        x0, x1 = vals[_U(off + 2 * j)], vals[_U(off + 2 * j + 1)]
-        c0 = _code(x0, (x0 * lift) * r, a, k, levels, rmode)
-        c1 = _code(x1, (x1 * lift) * r, a, k, levels, rmode)
-        codes[at + _U(j)] = _pair(c0, c1)
+    if rmode == ROUND_NEAREST:
+        for j in range(half):
+            codes[at + _U(j)] = _pair(np.rint((vals[_U(off + 2 * j)] * lift) * r),
+                                      np.rint((vals[_U(off + 2 * j + 1)] * lift) * r))
+    else:
+        for j in range(half):
+            x0, x1 = vals[_U(off + 2 * j)], vals[_U(off + 2 * j + 1)]
+            c0 = _code(x0, (x0 * lift) * r, a, k, levels, rmode)
+            c1 = _code(x1, (x1 * lift) * r, a, k, levels, rmode)
+            codes[at + _U(j)] = _pair(c0, c1)
     if m & 1:
         x0 = vals[_U(off + m - 1)]
         codes[at + _U(half)] = _pair(_code(x0, (x0 * lift) * r, a, k, levels, rmode), 0)
@@ -144,20 +149,30 @@ def i4_decode(header, codes, out, block, skipped):
 @njit(inline='always', **CACHE)
 def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
     """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
-    magnitude bits (those of Inf for a flagged block, scratch unset)."""
+    magnitude bits (those of Inf for a flagged block, scratch unset).
+    Decodes into scratch first, then combines: two tight loops over a
+    block that stays in cache."""
     a = header[b]
     mx = abs_bits(as_acc(header, 0))
     if not abs(a) < np.inf:
         return abs_bits(as_acc(header, np.inf))
     at = _U(lo >> 1)
-    for j in range(m):
-        byte = codes[at + _U(j >> 1)]
-        c = _low(byte) if j & 1 == 0 else byte >> 4
-        d = (as_acc(header, c) * k) * a
-        v = load(own, _U(lo + j))
-        v = v + d if op == OP_SUM else reduce2(op, v, d)
-        scratch[j] = v
-        mx = max(mx, abs_bits(v))
+    for j in range(m >> 1):
+        byte = codes[at + _U(j)]
+        scratch[2 * j] = (as_acc(header, _low(byte)) * k) * a
+        scratch[2 * j + 1] = (as_acc(header, byte >> 4) * k) * a
+    if m & 1:
+        scratch[m - 1] = (as_acc(header, _low(codes[at + _U(m >> 1)])) * k) * a
+    if op == OP_SUM:
+        for j in range(m):
+            v = load(own, _U(lo + j)) + scratch[j]
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
+    else:
+        for j in range(m):
+            v = reduce2(op, load(own, _U(lo + j)), scratch[j])
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
     return mx
 
 
