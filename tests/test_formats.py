@@ -9,7 +9,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from equarx_mpi import formats
+from equarx_mpi import formats, options
 from equarx_mpi import kernels as K
 from equarx_mpi.comm import _kernel_view
 from equarx_mpi.kernelbench import Native
@@ -216,6 +216,19 @@ def test_layout_and_bytes_per_value():
             assert h.size == 4 * heads and h.dtype == dt and w.nbytes == c, (wire, dt)
         assert formats.max_block_bytes(wire, 256) == formats.make_format(
             wire, 256, np.float64).nbytes(256)
+
+
+def test_default_block_per_wire():
+    """block_size=None (the default) is the wire's own; a given size wins;
+    bits=4 is int4."""
+    want = {"int8": 256, "int4": 64, "fp8": 256, "int8-affine": 256, "int4-affine": 128,
+            "bf16": 256}
+    for wire, block in want.items():
+        assert options.resolve(dict(wire=wire))["block_size"] == block, wire
+        assert options.resolve(dict(wire=wire, block_size=1024))["block_size"] == 1024
+    assert options.resolve(dict(bits=4)) == options.resolve(dict(wire="int4"))
+    with pytest.raises(ValueError, match="power of two"):
+        options.resolve(dict(wire="int4", block_size=48))
 
 
 # --- C reference ------------------------------------------------------------------------

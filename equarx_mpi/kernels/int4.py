@@ -17,7 +17,8 @@ output limit and directed rounding work as in int8 (kernels/int8.py).
 import numpy as np
 from numba import njit
 
-from .common import (CACHE, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, acc_block, as_acc,
+from .common import (CACHE, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max, acc_block,
+                     as_acc,
                      from_abs_bits, load, out_limit, reduce2, sign_code, store,
                      wide_tiny_lift)
 
@@ -54,15 +55,6 @@ def _code(x, q, a, k, levels, rmode):
     if (c * k) * a > x:
         c -= 1
     return c
-
-
-@njit(inline='always', **CACHE)
-def abs_max(vals, off, m, like):
-    """The bits of max |vals[off:off+m]| (abs_bits order: NaN above Inf)."""
-    mx = abs_bits(as_acc(like, 0))
-    for j in range(m):
-        mx = max(mx, abs_bits(vals[_U(off + j)]))
-    return mx
 
 
 @njit(**CACHE)
