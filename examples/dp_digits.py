@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers, limit_blas_threads  # noqa: E402
+from methods import METHODS, Reducers, limit_blas_threads, parse_methods  # noqa: E402
 
 SIZES = (64, 1024, 1024, 10)
 
@@ -188,10 +188,7 @@ def main():
     ap.add_argument("--plot", metavar="FILE", help="PNG of the loss curves (matplotlib)")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = ap.parse_args()
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    methods = parse_methods(ap, args.methods)
     comm = MPI.COMM_WORLD
     if args.batch < comm.Get_size():
         ap.error(f"--batch {args.batch} is smaller than the {comm.Get_size()} ranks")

@@ -47,8 +47,9 @@ def main():
             for anomaly in ([None] if args.anomaly is None else [None, args.anomaly]):
                 rows.append(measure(comm, wire, B, anomaly, args, dtype, n))
     if rank == 0:
-        print(f"# {size} ranks, ring, data {args.data}, {args.dtype}, {n * dtype.itemsize / 2**20:g} "
-              f"MiB per rank, {args.seeds} seeds; errors: mean (min-max) over seeds")
+        mib = n * dtype.itemsize / 2**20
+        print(f"# {size} ranks, ring, data {args.data}, {args.dtype}, {mib:g} MiB per rank"
+              f", {args.seeds} seeds; errors: mean (min-max) over seeds")
         print(f"# {'wire':12s} {'block':>5s} {'anomaly':>8s} {'bytes/value':>11s} "
               f"{'rel_err %':>24s} {'anom_err %':>24s} identical")
         for r in rows:

@@ -54,6 +54,16 @@ class Reducers(dict):
         self.free()
 
 
+def parse_methods(parser, text):
+    """The method names in a comma-separated ``text``; an argparse error
+    (on every rank alike) for an unknown one."""
+    names = [m for m in text.split(",") if m]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    return names
+
+
 def limit_blas_threads(comm):
     """Give each rank its share of the node's cores, so that P ranks times
     BLAS threads do not oversubscribe them (each rank plays one chip).

@@ -36,7 +36,7 @@ from mpi4py import MPI
 from scipy.special import erf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers, limit_blas_threads  # noqa: E402
+from methods import METHODS, Reducers, limit_blas_threads, parse_methods  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, LAYERS, MLP = 384, 12, 32, 6, 1536
 MAX_TOKENS = 256                       # sentence-transformers' max_seq_length for this model
@@ -243,10 +243,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5, help="timed forwards per method")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")
     args = ap.parse_args()
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        ap.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    methods = parse_methods(ap, args.methods)
     comm = MPI.COMM_WORLD
     limiter = limit_blas_threads(comm)  # noqa: F841 (keeps the limit for the run)
     sentences = read_sentences(args.sentences)

@@ -29,9 +29,9 @@ practice after at most one step.
 import numpy as np
 from numba import njit
 
-from .common import (CACHE, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, acc_block, as_acc,
-                     cast_like, from_order_key, load, order_key, out_limit, reduce2, store,
-                     wide_tiny_lift)
+from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, acc_block,
+                     as_acc, cast_like, from_order_key, load, order_key, out_limit, reduce2,
+                     store, wide_tiny_lift, wide_vectors)
 
 _U = np.uint64
 
@@ -101,18 +101,22 @@ def _levels_into(vals, off, m, scratch, lo, hi, levels, rmode):
 
 @njit(inline='always', **CACHE)
 def _put(t, m, codes, at, nibbles):
-    """Store the codes t[:m] (floats) from byte ``at``, one or two per byte."""
+    """Store the codes t[:m] (floats) from byte ``at``, one or two per byte.
+    An odd count is padded with a zero code in t[m] (t holds a whole block
+    and blocks are even), so only whole bytes are stored: a separate store
+    of the last nibble after the loop was lost when numba inlined this into
+    emit and emit into the kernel (numba 0.61-0.62; not reduced further)."""
     if nibbles:
-        for j in range(m >> 1):
-            codes[at + _U(j)] = np.uint8(np.int32(t[2 * j]) | (np.int32(t[2 * j + 1]) << 4))
         if m & 1:
-            codes[at + _U(m >> 1)] = np.uint8(np.int32(t[m - 1]))
+            t[m] = 0
+        for j in range((m + 1) >> 1):
+            codes[at + _U(j)] = np.uint8(np.int32(t[2 * j]) | (np.int32(t[2 * j + 1]) << 4))
     else:
         for j in range(m):
             codes[at + _U(j)] = np.uint8(np.int32(t[j]))
 
 
-@njit(**CACHE)
+@njit(inline='always', **CACHE)
 def emit(vals, off, m, heads, b, codes, lo_i, levels, tcodes, rmode):
     """Quantize vals[off:off+m] (accumulation type) into heads[2b:2b+2] and
     the codes of values lo_i..lo_i+m-1 (lo_i even for nibbles); tcodes
@@ -143,9 +147,10 @@ def emit(vals, off, m, heads, b, codes, lo_i, levels, tcodes, rmode):
     _put(tcodes, m, codes, at, nibbles)
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def af_encode(src, heads, codes, block, levels, scratch, rmode):
     """(heads, codes) = Q(src); scratch holds 2 * block values."""
+    wide_vectors()
     n = src.size
     for b in range((n + block - 1) // block):
         lo = b * block
@@ -190,11 +195,12 @@ def _skip(heads, b, limit):
     return not max(abs(heads[2 * b]), abs(heads[2 * b + 1])) < limit
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def af_decode(heads, codes, out, block, levels, skipped):
     """out = D(heads, codes); flagged blocks (and blocks too large for
     out's type) are skipped.  Returns their number; their indices are in
     skipped[:number]."""
+    wide_vectors()
     n = out.size
     limit = out_limit(out)
     flagged = 0
@@ -232,12 +238,13 @@ def _reduce_block(own, heads, codes, b, lo_i, m, levels, op, scratch):
     return mx
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def af_decode_reduce(own, heads, codes, out, block, levels, op, scratch, skipped):
     """out = own (op) D(heads, codes), at full precision; blocks whose
     input is flagged or whose result does not fit out are skipped (out may
     be own, and stays the input there).  Returns their number; their
     indices are in skipped[:number]."""
+    wide_vectors()
     n = own.size
     limit_u = abs_bits(out_limit(out))
     flagged = 0
@@ -253,12 +260,13 @@ def af_decode_reduce(own, heads, codes, out, block, levels, op, scratch, skipped
     return flagged
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def af_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, levels, op, scratch, rmode):
     """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
     place allowed (a block is read whole into scratch before it is
     written).  A flagged input block, or a result holding Inf or NaN, gives
     a flagged output block.  scratch holds 2 * block values."""
+    wide_vectors()
     n = own.size
     inf_u = abs_bits(as_acc(h_in, np.inf))
     for b in range((n + block - 1) // block):

@@ -25,10 +25,10 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .common import (CACHE, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max, acc_block,
-                     as_acc,
-                     f32_as_u32, f64_as_u64, from_abs_bits, load, out_limit, reduce2, store,
-                     u32_as_f32, u64_as_f64, wide_tiny_lift)
+from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max,
+                     acc_block, as_acc, f32_as_u32, f64_as_u64, from_abs_bits, load,
+                     out_limit, reduce2, store, u32_as_f32, u64_as_f64, wide_tiny_lift,
+                     wide_vectors)
 
 LARGEST = 448
 MAX_CODE = 0x7E
@@ -45,7 +45,8 @@ def _value(c):
 
 
 #: e4m3_value(c) (exact) and fl(e4m3_value(c) * fl(1/448)), in float32 and float64
-VALUES32, VALUES64 = (np.array([_value(c) for c in range(256)], t) for t in (np.float32, np.float64))
+VALUES32, VALUES64 = (np.array([_value(c) for c in range(256)], t)
+                      for t in (np.float32, np.float64))
 TABLE32, TABLE64 = (v * (v.dtype.type(1) / v.dtype.type(LARGEST)) for v in (VALUES32, VALUES64))
 
 
@@ -138,7 +139,7 @@ def _directed(x, y, a, rmode):
     return c
 
 
-@njit(**CACHE)
+@njit(inline='always', **CACHE)
 def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
     """Quantize vals[off:off+m] (accumulation type, largest magnitude bits
     max_u) into header[b] and codes[lo:lo+m]."""
@@ -168,9 +169,10 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
             codes[_U(lo + j)] = _directed(x, (x * lift) * r, a, rmode)
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def f8_encode(src, header, codes, block, scratch, rmode):
     """(header, codes) = Q(src)."""
+    wide_vectors()
     n = src.size
     for b in range((n + block - 1) // block):
         lo = b * block
@@ -179,11 +181,12 @@ def f8_encode(src, header, codes, block, scratch, rmode):
         emit(vals, off, m, abs_max(vals, off, m, header), header, b, codes, lo, rmode)
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def f8_decode(header, codes, out, block, skipped):
     """out = D(header, codes); flagged blocks (and blocks too large for
     out's type) are skipped.  Returns their number; their indices are in
     skipped[:number]."""
+    wide_vectors()
     n = out.size
     limit = out_limit(out)
     flagged = 0
@@ -224,12 +227,13 @@ def _reduce_block(own, header, codes, b, lo, m, op, scratch):
     return mx
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def f8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     """out = own (op) D(header, codes), at full precision; blocks whose
     input is flagged or whose result does not fit out are skipped (out may
     be own, and stays the input there).  Returns their number; their
     indices are in skipped[:number]."""
+    wide_vectors()
     n = own.size
     limit_u = abs_bits(out_limit(out))
     flagged = 0
@@ -245,11 +249,12 @@ def f8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     return flagged
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def f8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
     """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
     place allowed (a block is read whole into scratch before it is
     written)."""
+    wide_vectors()
     n = own.size
     for b in range((n + block - 1) // block):
         lo = b * block

@@ -17,10 +17,9 @@ output limit and directed rounding work as in int8 (kernels/int8.py).
 import numpy as np
 from numba import njit
 
-from .common import (CACHE, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max, acc_block,
-                     as_acc,
-                     from_abs_bits, load, out_limit, reduce2, sign_code, store,
-                     wide_tiny_lift)
+from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max,
+                     acc_block, as_acc, from_abs_bits, load, out_limit, reduce2, sign_code,
+                     store, wide_tiny_lift, wide_vectors)
 
 LEVELS = 7
 _U = np.uint64
@@ -57,7 +56,7 @@ def _code(x, q, a, k, levels, rmode):
     return c
 
 
-@njit(**CACHE)
+@njit(inline='always', **CACHE)
 def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
     """Quantize vals[off:off+m] (accumulation type, largest magnitude bits
     max_u) into header[b] and the nibbles of values lo..lo+m-1 (lo even)."""
@@ -100,9 +99,10 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
     header[b] = a
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def i4_encode(src, header, codes, block, scratch, rmode):
     """(header, codes) = Q(src)."""
+    wide_vectors()
     n = src.size
     for b in range((n + block - 1) // block):
         lo = b * block
@@ -111,11 +111,12 @@ def i4_encode(src, header, codes, block, scratch, rmode):
         emit(vals, off, m, abs_max(vals, off, m, header), header, b, codes, lo, rmode)
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def i4_decode(header, codes, out, block, skipped):
     """out = D(header, codes); flagged blocks (and blocks too large for
     out's type) are skipped.  Returns their number; their indices are in
     skipped[:number]."""
+    wide_vectors()
     n = out.size
     k = as_acc(header, 1) / as_acc(header, LEVELS)
     limit = out_limit(out)
@@ -168,12 +169,13 @@ def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
     return mx
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     """out = own (op) D(header, codes), at full precision; blocks whose
     input is flagged or whose result does not fit out are skipped (out may
     be own, and stays the input there).  Returns their number; their
     indices are in skipped[:number]."""
+    wide_vectors()
     n = own.size
     k = as_acc(header, 1) / as_acc(header, LEVELS)
     limit_u = abs_bits(out_limit(out))
@@ -190,11 +192,12 @@ def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     return flagged
 
 
-@njit(_nrt=False, **CACHE)
+@njit(**KERNEL)
 def i4_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
     """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
     place allowed (a block is read whole into scratch before it is
     written)."""
+    wide_vectors()
     n = own.size
     k = as_acc(h_in, 1) / as_acc(h_in, LEVELS)
     for b in range((n + block - 1) // block):
