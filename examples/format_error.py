@@ -3,6 +3,7 @@ exact float64 sum: one row per wire and block size.
 
     mpirun -n 4 python examples/format_error.py --wires int8,int4 --blocks 32,64,128,256
     mpirun -n 2 python examples/format_error.py --data offset --anomaly 101325
+    mpirun -n 2 python examples/format_error.py --data heavy
 
 Columns: bytes per value on the wire (headers included, for the whole
 message), relative L2 error ||out - exact|| / ||exact|| and the error
@@ -21,7 +22,10 @@ from mpi4py import MPI
 from equarx_mpi import QuantizedComm, formats
 
 DATA = {"normal": lambda rng, n: rng.standard_normal(n),
-        "offset": lambda rng, n: 101325.0 + 100.0 * rng.standard_normal(n)}
+        "offset": lambda rng, n: 101325.0 + 100.0 * rng.standard_normal(n),
+        # heavy tails: N(0,1) times a log-normal scale, so most blocks hold a
+        # few values far larger than the rest (a relative format's case)
+        "heavy": lambda rng, n: rng.standard_normal(n) * np.exp(2.0 * rng.standard_normal(n))}
 
 
 def main():

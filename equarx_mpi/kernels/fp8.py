@@ -85,28 +85,29 @@ def _e4m3_bits(y):
     # Normal results: keep 3 of the mantissa bits, rounding half to even by
     # integer addition (the carry rolls into the exponent), then rebias.
     # Results below 2^-6 (the subnormal grid 2^-9): rint(|y| * 2^9), exact
-    # scaling.
+    # scaling.  Both computed, then selected, in signed integers: branch-free
+    # code with signed conversions vectorizes (encode 2x faster).
     if y == types.float32:
         def b32(y):
-            u = f32_as_u32(y)
-            s = (u >> np.uint32(24)) & np.uint32(0x80)
-            u = u & np.uint32(0x7FFFFFFF)
-            sub = np.uint32(np.rint(u32_as_f32(u) * np.float32(512.0)))
-            norm = ((u + np.uint32(0x7FFFF) + ((u >> np.uint32(20)) & np.uint32(1)))
-                    >> np.uint32(20)) - np.uint32(120 << 3)
-            mag = sub if u < np.uint32(121 << 23) else norm
-            return np.uint8(s | min(mag, np.uint32(MAX_CODE)))
+            u = np.int32(f32_as_u32(y))
+            s = (u >> np.int32(24)) & np.int32(0x80)
+            u = np.int32(u & np.int32(0x7FFFFFFF))
+            sub = np.int32(np.rint(u32_as_f32(u) * np.float32(512.0)))
+            norm = np.int32(np.int32(u + np.int32(0x7FFFF) + ((u >> np.int32(20)) & np.int32(1)))
+                            >> np.int32(20)) - np.int32(120 << 3)
+            mag = sub if u < np.int32(121 << 23) else norm
+            return np.uint8(s | min(mag, np.int32(MAX_CODE)))
         return b32
     if y == types.float64:
         def b64(y):
-            u = f64_as_u64(y)
-            s = (u >> np.uint64(56)) & np.uint64(0x80)
-            u = u & np.uint64(0x7FFFFFFFFFFFFFFF)
-            sub = np.uint64(np.rint(u64_as_f64(u) * 512.0))
-            norm = ((u + np.uint64((1 << 48) - 1) + ((u >> np.uint64(49)) & np.uint64(1)))
-                    >> np.uint64(49)) - np.uint64(1016 << 3)
-            mag = sub if u < np.uint64(1017 << 52) else norm
-            return np.uint8(s | min(mag, np.uint64(MAX_CODE)))
+            u = np.int64(f64_as_u64(y))
+            s = (u >> np.int64(56)) & np.int64(0x80)
+            u = u & np.int64(0x7FFFFFFFFFFFFFFF)
+            sub = np.int64(np.rint(u64_as_f64(u) * 512.0))
+            norm = ((u + np.int64((1 << 48) - 1) + ((u >> np.int64(49)) & np.int64(1)))
+                    >> np.int64(49)) - np.int64(1016 << 3)
+            mag = sub if u < np.int64(1017 << 52) else norm
+            return np.uint8(s | min(mag, np.int64(MAX_CODE)))
         return b64
 
 
