@@ -105,7 +105,7 @@ def _put(t, m, codes, at, nibbles):
     An odd count is padded with a zero code in t[m] (t holds a whole block
     and blocks are even), so only whole bytes are stored: a separate store
     of the last nibble after the loop was lost when numba inlined this into
-    emit and emit into the kernel (numba 0.61-0.62; not reduced further)."""
+    emit and emit into the kernel (numba 0.68; not reduced further)."""
     if nibbles:
         if m & 1:
             t[m] = 0
