@@ -60,6 +60,7 @@ _TYPES = {np.dtype(np.float32): (np.dtype(np.float32), np.dtype(np.float32)),
           np.dtype(np.float16): (np.dtype(np.int16), np.dtype(np.float32)),
           BFLOAT16: (np.dtype(np.uint16), np.dtype(np.float32))}
 _OPS = ((MPI.SUM, K.OP_SUM), (MPI.MAX, K.OP_MAX), (MPI.MIN, K.OP_MIN))
+_ACC_OF_KERNEL = {kd: acc for kd, acc in _TYPES.values()}
 #: Cache line: slices and regions start on multiples of it.
 LINE = 64
 #: Messages up to this many bytes per rank take the one-shot schedule.
@@ -138,9 +139,10 @@ class ShmAllreduce:
         self._lent = False      # whether empty() handed out part of the current one
         self.cap = self._rcap = self._stride = self._base = 0
         self._views = {}        # dtype -> flat array over the window
+        self._plans = {}        # message shape -> views (see _plan)
         self._acc = {}          # accumulation dtype -> TILE values of scratch
         self._oneshots = 0
-        self._pending = None    # (n, dtype, result dtype) between the two halves
+        self._pending = None    # (n, kernel dtype, result dtype) between the halves
         self._warmed = set()
 
     # --- lifetime -------------------------------------------------------------
@@ -151,7 +153,7 @@ class ShmAllreduce:
         for win in self._retired + ([self._win] if self._win else []):
             win.Unlock_all()
             win.Free()
-        self._retired, self._win, self._views = [], None, {}
+        self._retired, self._win, self._views, self._plans = [], None, {}, {}
         self.comm.Free()
         self.comm = None
 
@@ -189,7 +191,7 @@ class ShmAllreduce:
         self._win, self._lent = win, False
         self._mem = raw[pad:pad + self.P * stride]
         self.cap, self._rcap, self._stride = cap, rcap, stride
-        self._views = {}
+        self._views, self._plans = {}, {}
 
     def _view(self, dtype):
         v = self._views.get(dtype)
@@ -258,10 +260,12 @@ class ShmAllreduce:
         if self._pending is None:
             raise RuntimeError("ShmAllreduce.allgather: no reduce_scatter before it")
         _, out, _ = self._check("allgather", None, recv, MPI.SUM)
-        n, dtype, _ = self._pending
-        if (out.size, out.dtype) != (n, _TYPES[dtype][0]):
+        n, kd, _ = self._pending
+        if (out.size, out.dtype) != (n, kd):
             raise ValueError(f"ShmAllreduce.allgather: recvbuf has {out.size} values of "
-                             f"{recv.dtype}; the reduce_scatter had {n} of {dtype}")
+                             f"{recv.dtype}; the reduce_scatter had {n} of another dtype"
+                             if out.size == n else f"ShmAllreduce.allgather: recvbuf has "
+                             f"{out.size} values; the reduce_scatter had {n}")
         self._allgather(out, skip_own=False)
 
     def _check(self, what, send, recv, op):
@@ -304,7 +308,7 @@ class ShmAllreduce:
             return
         for turn in (0, 1):
             if (self.rank == 0) == (turn == 0):
-                acc = _TYPES[self._dtype_of(np.empty(0, kd))][1]
+                acc = _ACC_OF_KERNEL[kd]
                 x, f = np.zeros(2 * LINE, kd), np.zeros(LINE, acc)
                 for out in (x[:1], f[:1]):
                     SK.reduce_pair(x, LINE, 0, 1, K.OP_SUM, out, x[:0])
@@ -325,58 +329,77 @@ class ShmAllreduce:
         if self.P == 2:
             SK.reduce_pair(win, stride, lo, hi, kop, out, out2)
         else:
-            acc = self._scratch(_TYPES[self._dtype_of(win)][1])
+            acc = self._scratch(_ACC_OF_KERNEL[win.dtype])
             SK.reduce_slots(win, stride, self.P, lo, hi, kop, acc, out, out2)
 
-    @staticmethod
-    def _dtype_of(kview):
-        return {np.dtype(np.int16): np.dtype(np.float16),
-                np.dtype(np.uint16): BFLOAT16}.get(kview.dtype, kview.dtype)
+    def _plan(self, n, kd, rd):
+        """Views of the two-phase schedule for n values of kernel type kd
+        with results of type rd, built once per window and message shape:
+        (window, slot stride, own data slot and its address, every rank's
+        (lo, hi, result region))."""
+        key = (n, kd, rd)
+        plan = self._plans.get(key)
+        if plan is None:
+            s = kd.itemsize
+            win, stride = self._view(kd), self._stride // s
+            slot = win[self.rank * stride:self.rank * stride + n]
+            parts = []
+            for k in range(self.P):
+                lo, hi = slice_bounds(n, s, self.P, k)
+                off = (k * self._stride + self.cap) // rd.itemsize
+                parts.append((lo, hi, self._view(rd)[off:off + hi - lo]))
+            plan = self._plans[key] = (win, stride, slot, _address(slot), parts)
+        return plan
 
     def _reduce_scatter(self, src, kop, keep_acc, own_out):
         n, kd = src.size, src.dtype
-        s = kd.itemsize
-        self.reserve(max(n * s, 1))
+        self.reserve(max(n * kd.itemsize, 1))
         self._warm(kd)
-        win, stride = self._view(kd), self._stride // s
-        slot = win[self.rank * stride:self.rank * stride + n]
-        if src.ctypes.data != slot.ctypes.data:
+        rd = _ACC_OF_KERNEL[kd] if keep_acc else kd
+        win, stride, slot, addr, parts = self._plan(n, kd, rd)
+        if _address(src) != addr:
             np.copyto(slot, src)
         self._sync()
-        rd = _TYPES[self._dtype_of(src)][1] if keep_acc else kd
-        lo, hi = slice_bounds(n, s, self.P, self.rank)
-        res = self._result(self.rank, rd, hi - lo)
-        out2 = own_out[lo:hi] if own_out is not None else win[:0]
-        self._reduce(win, stride, lo, hi, kop, res, out2)
-        self._pending = (n, self._dtype_of(src), rd)
+        lo, hi, res = parts[self.rank]
+        self._reduce(win, stride, lo, hi, kop, res,
+                     win[:0] if own_out is None else own_out[lo:hi])
+        self._pending = (n, kd, rd)
         return res
 
-    def _result(self, k, rd, m):
-        off = (k * self._stride + self.cap) // rd.itemsize
-        return self._view(rd)[off:off + m]
-
     def _allgather(self, out, skip_own):
-        n, _, rd = self._pending
+        n, kd, rd = self._pending
+        self._pending = None
+        parts = self._plan(n, kd, rd)[4]
         self._sync()
-        for k in range(self.P):
+        for k, (lo, hi, res) in enumerate(parts):
             if skip_own and k == self.rank:
                 continue
-            lo, hi = slice_bounds(n, out.dtype.itemsize, self.P, k)
-            if rd == out.dtype:
-                np.copyto(out[lo:hi], self._result(k, rd, hi - lo))
+            if rd == kd:
+                np.copyto(out[lo:hi], res)
             else:
-                SK.convert(self._result(k, rd, hi - lo), out[lo:hi])
-        self._pending = None
+                SK.convert(res, out[lo:hi])
 
     def _oneshot(self, src, out, kop):
         n, kd = src.size, src.dtype
         self.reserve(n * kd.itemsize)
         self._warm(kd)
-        stride = self._stride // kd.itemsize
-        area = _round_up(self.oneshot_bytes, LINE)
-        first = (self.cap + self._rcap + (self._oneshots & 1) * area) // kd.itemsize
+        key = (n, kd, None)
+        plan = self._plans.get(key)
+        if plan is None:
+            s = kd.itemsize
+            stride = self._stride // s
+            plan = []
+            for parity in (0, 1):
+                first = (self.cap + self._rcap + parity * _round_up(self.oneshot_bytes, LINE)) // s
+                win = self._view(kd)[first:]
+                plan.append((win, stride, win[self.rank * stride:self.rank * stride + n]))
+            self._plans[key] = plan
+        win, stride, area = plan[self._oneshots & 1]
         self._oneshots += 1
-        win = self._view(kd)[first:]
-        np.copyto(win[self.rank * stride:self.rank * stride + n], src)
+        np.copyto(area, src)
         self._sync()
         self._reduce(win, stride, 0, n, kop, out, win[:0])
+
+
+def _address(a):
+    return a.__array_interface__["data"][0]
