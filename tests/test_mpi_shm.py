@@ -269,3 +269,21 @@ def test_fake_nodes():
         sh.allreduce(xs[r], out)
     node.Free()
     everywhere(w, equal_bits(out, fixed_order(mine)), "allreduce on a fake node")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("n", [300, 20000])
+def test_back_to_back_calls(n):
+    """Many calls in a row with new data each time: a rank that leaves a call
+    early must not overwrite what a slower rank still reads (one-shot areas
+    alternate; two-phase result regions are written after the first sync)."""
+    w = MPI.COMM_WORLD
+    P, r = w.Get_size(), w.Get_rank()
+    xs = inputs(P, n, np.float32, seed=9)
+    ok = True
+    with ShmAllreduce(w) as sh:
+        out = np.empty(n, np.float32)
+        for call in range(60):
+            sh.allreduce(xs[r] * np.float32(call), out)
+            ok &= equal_bits(out, fixed_order([x * np.float32(call) for x in xs]))
+    everywhere(w, ok, "every call's result")
