@@ -137,7 +137,7 @@ class ShmAllreduce:
         self._win = self._mem = None    # the current window and its bytes
         self._retired = []      # older windows that empty() buffers still point into
         self._lent = False      # whether empty() handed out part of the current one
-        self.cap = self._rcap = self._stride = self._base = 0
+        self.cap = self._rcap = self._stride = 0
         self._views = {}        # dtype -> flat array over the window
         self._plans = {}        # message shape -> views (see _plan)
         self._acc = {}          # accumulation dtype -> TILE values of scratch
@@ -153,7 +153,7 @@ class ShmAllreduce:
         for win in self._retired + ([self._win] if self._win else []):
             win.Unlock_all()
             win.Free()
-        self._retired, self._win, self._views, self._plans = [], None, {}, {}
+        self._retired, self._win, self._mem, self._views, self._plans = [], None, None, {}, {}
         self.comm.Free()
         self.comm = None
 
@@ -218,7 +218,8 @@ class ShmAllreduce:
         dtype = np.dtype(dtype)
         if dtype not in _TYPES:
             raise TypeError(f"ShmAllreduce.empty: unsupported dtype {dtype}")
-        n = math.prod(shape) if isinstance(shape, tuple) else int(shape)
+        shape = tuple(shape) if np.iterable(shape) else (int(shape),)
+        n = math.prod(shape)
         self.reserve(max(n * dtype.itemsize, 1))
         self._lent = True
         start = self.rank * self._stride
@@ -299,7 +300,7 @@ class ShmAllreduce:
                              f"recvbuf {recv.size}")
         kd = _TYPES[recv.dtype][0]
         out = recv.reshape(-1).view(kd)
-        return (out if send is None else send.reshape(-1).view(kd)), out, kop
+        return _readonly(out if send is None else send.reshape(-1).view(kd)), out, kop
 
     def _warm(self, kd):
         # Compile (or load from numba's cache) on node rank 0 first, so that
@@ -310,11 +311,11 @@ class ShmAllreduce:
             if (self.rank == 0) == (turn == 0):
                 acc = _ACC_OF_KERNEL[kd]
                 x, f = np.zeros(2 * LINE, kd), np.zeros(LINE, acc)
-                for out in (x[:1], f[:1]):
-                    SK.reduce_pair(x, LINE, 0, 1, K.OP_SUM, out, x[:0])
-                    SK.reduce_slots(x, LINE, 2, 0, 1, K.OP_SUM, f, out, x[:0])
-                SK.reduce_pair(x, LINE, 0, 1, K.OP_SUM, x[:1], x[1:2])
-                SK.reduce_slots(x, LINE, 2, 0, 1, K.OP_SUM, f, x[:1], x[1:2])
+                ro = _readonly(x)
+                for out, out2 in ((x[:1], x[:0]), (f[:1], x[:0]), (x[:1], x[1:2])):
+                    SK.reduce_pair(ro, 0, x, LINE, 1, K.OP_SUM, out, out2)
+                    SK.reduce_pair(x, 0, ro, LINE, 1, K.OP_SUM, out, out2)
+                    SK.reduce_slots(x, LINE, 2, 1, ro, 0, 1, K.OP_SUM, f, out, out2)
                 SK.convert(f[:1], x[:1])
             self.comm.Barrier()
         self._warmed.add(kd)
@@ -325,12 +326,15 @@ class ShmAllreduce:
             a = self._acc[acc_dtype] = np.empty(SK.TILE, acc_dtype)
         return a
 
-    def _reduce(self, win, stride, lo, hi, kop, out, out2):
+    def _reduce(self, win, stride, own, lo, hi, kop, out, out2):
+        """Slice [lo, hi) of every slot, this rank's read from own."""
         if self.P == 2:
-            SK.reduce_pair(win, stride, lo, hi, kop, out, out2)
+            x0, b0, x1, b1 = ((own, lo, win, stride + lo) if self.rank == 0
+                              else (win, lo, own, lo))
+            SK.reduce_pair(x0, b0, x1, b1, hi - lo, kop, out, out2)
         else:
             acc = self._scratch(_ACC_OF_KERNEL[win.dtype])
-            SK.reduce_slots(win, stride, self.P, lo, hi, kop, acc, out, out2)
+            SK.reduce_slots(win, stride, self.P, self.rank, own, lo, hi, kop, acc, out, out2)
 
     def _plan(self, n, kd, rd):
         """Views of the two-phase schedule for n values of kernel type kd
@@ -357,11 +361,14 @@ class ShmAllreduce:
         self._warm(kd)
         rd = _ACC_OF_KERNEL[kd] if keep_acc else kd
         win, stride, slot, addr, parts = self._plan(n, kd, rd)
-        if _address(src) != addr:
-            np.copyto(slot, src)
-        self._sync()
         lo, hi, res = parts[self.rank]
-        self._reduce(win, stride, lo, hi, kop, res,
+        if _address(src) != addr:
+            # the others read all but this rank's own slice, which it reads
+            # from src itself
+            np.copyto(slot[:lo], src[:lo])
+            np.copyto(slot[hi:], src[hi:])
+        self._sync()
+        self._reduce(win, stride, src, lo, hi, kop, res,
                      win[:0] if own_out is None else own_out[lo:hi])
         self._pending = (n, kd, rd)
         return res
@@ -398,7 +405,15 @@ class ShmAllreduce:
         self._oneshots += 1
         np.copyto(area, src)
         self._sync()
-        self._reduce(win, stride, 0, n, kop, out, win[:0])
+        self._reduce(win, stride, src, 0, n, kop, out, win[:0])
+
+
+def _readonly(a):
+    """A read-only view: the kernels then see one array type for every
+    caller's input, writable or not (one compiled version, not two)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _address(a):

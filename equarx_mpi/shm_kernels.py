@@ -27,58 +27,79 @@ TILE = 4096
 
 
 @njit(**_CACHE)
-def reduce_slots(win, stride, P, lo, hi, op, acc, out, out2):
-    """out[:hi-lo] = the reduction of win[k*stride + lo : k*stride + hi] over
-    k = 0..P-1 in that order; the same into out2 unless out2 is empty.
-
-    acc is scratch in the accumulation type, TILE values or more.  Each tile
-    is read once from every slot and written once: one pass over memory,
-    where P numpy additions would make P passes over the output.  Indices
-    are uint64 so that numba skips negative-index wraparound (which turns
-    vector loads into gathers)."""
-    both = out2.size > 0
-    T = acc.size
-    for t0 in range(lo, hi, T):
-        m = min(T, hi - t0)
-        base = np.uint64(t0)
-        for j in range(m):
-            acc[j] = load(win, base + np.uint64(j))
-        for k in range(1, P):
-            b = base + np.uint64(k * stride)
-            if op == OP_SUM:
-                for j in range(m):
-                    acc[j] = acc[j] + load(win, b + np.uint64(j))
-            else:
-                for j in range(m):
-                    acc[j] = reduce2(op, acc[j], load(win, b + np.uint64(j)))
-        o = np.uint64(t0 - lo)
-        for j in range(m):
-            store(out, o + np.uint64(j), acc[j])
-        if both:
-            for j in range(m):
-                store(out2, o + np.uint64(j), acc[j])
+def _load_tile(acc, src, b, m):
+    for j in range(m):
+        acc[j] = load(src, b + np.uint64(j))
 
 
 @njit(**_CACHE)
-def reduce_pair(win, stride, lo, hi, op, out, out2):
-    """reduce_slots for P = 2: one loop per tile, no accumulator.  The copy
-    to out2 is a loop of its own over the tile just written (still in L1):
-    one loop storing to both arrays ran 3-4x slower."""
-    s = np.uint64(stride)
-    for t0 in range(lo, hi, TILE):
-        m = min(TILE, hi - t0)
+def _reduce_tile(acc, src, b, m, op):
+    if op == OP_SUM:
+        for j in range(m):
+            acc[j] = acc[j] + load(src, b + np.uint64(j))
+    else:
+        for j in range(m):
+            acc[j] = reduce2(op, acc[j], load(src, b + np.uint64(j)))
+
+
+@njit(**_CACHE)
+def _store_tile(acc, out, o, m):
+    for j in range(m):
+        store(out, o + np.uint64(j), acc[j])
+
+
+@njit(**_CACHE)
+def reduce_slots(win, stride, P, me, own, lo, hi, op, acc, out, out2):
+    """out[:hi-lo] = the reduction over k = 0..P-1, in that order, of slot
+    k's values [lo, hi): win[k*stride + lo : k*stride + hi], except that slot
+    ``me`` is read from own[lo:hi] (the caller's own input, which then need
+    not be copied into the window; me = -1: none).  The same into out2
+    unless out2 is empty.
+
+    acc is scratch in the accumulation type (its size is the tile).  Each
+    tile is read once from every slot and written once: one pass over
+    memory, where P numpy additions would make P passes over the output.
+    Indices are uint64 so that numba skips negative-index wraparound (which
+    turns vector loads into gathers)."""
+    T = acc.size
+    for t0 in range(lo, hi, T):
+        m = min(T, hi - t0)
         b = np.uint64(t0)
-        o = np.uint64(t0 - lo)
-        if op == OP_SUM:
-            for j in range(m):
-                i = b + np.uint64(j)
-                store(out, o + np.uint64(j), load(win, i) + load(win, i + s))
+        if me == 0:
+            _load_tile(acc, own, b, m)
         else:
-            for j in range(m):
-                i = b + np.uint64(j)
-                store(out, o + np.uint64(j), reduce2(op, load(win, i), load(win, i + s)))
+            _load_tile(acc, win, b, m)
+        for k in range(1, P):
+            if k == me:
+                _reduce_tile(acc, own, b, m, op)
+            else:
+                _reduce_tile(acc, win, b + np.uint64(k * stride), m, op)
+        _store_tile(acc, out, np.uint64(t0 - lo), m)
         if out2.size > 0:
-            for j in range(m):
+            _store_tile(acc, out2, np.uint64(t0 - lo), m)
+
+
+@njit(**_CACHE)
+def reduce_pair(x0, b0, x1, b1, m, op, out, out2):
+    """out[:m] = x0[b0:b0+m] op x1[b1:b1+m] (P = 2: no accumulator), and the
+    same into out2 unless it is empty.  The copy to out2 is a loop of its
+    own over the tile just written (still in L1): one loop storing to both
+    arrays ran 3-4x slower."""
+    for t0 in range(0, m, TILE):
+        tm = min(TILE, m - t0)
+        i0 = np.uint64(b0 + t0)
+        i1 = np.uint64(b1 + t0)
+        o = np.uint64(t0)
+        if op == OP_SUM:
+            for j in range(tm):
+                u = np.uint64(j)
+                store(out, o + u, load(x0, i0 + u) + load(x1, i1 + u))
+        else:
+            for j in range(tm):
+                u = np.uint64(j)
+                store(out, o + u, reduce2(op, load(x0, i0 + u), load(x1, i1 + u)))
+        if out2.size > 0:
+            for j in range(tm):
                 out2[o + np.uint64(j)] = out[o + np.uint64(j)]
 
 
