@@ -108,9 +108,8 @@ def test_sum_matches_fixed_order_bitwise(shm, dtype, n):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("two_phase", [False, True])
-def test_sum_large_odd_size(dtype, two_phase):
-    with ShmAllreduce(MPI.COMM_WORLD, oneshot_bytes=0 if two_phase else None) as sh:
+def test_sum_large_odd_size(dtype):
+    with ShmAllreduce(MPI.COMM_WORLD) as sh:
         check_sum(sh, dtype, 1000003)
 
 
@@ -133,10 +132,10 @@ def check_sum(shm, dtype, n):
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("opname", OPS)
-def test_special_values_and_ops(shm, dtype, opname):
-    comm, op = shm.comm, OPS[opname]
+@pytest.mark.parametrize("n", [1000, 40000], ids=["one-shot", "two-phase"])
+def test_special_values_and_ops(comm, dtype, opname, n):
+    op = OPS[opname]
     P, r = comm.Get_size(), comm.Get_rank()
-    n = 40000   # above the one-shot size for every dtype
     xs = inputs(P, n, dtype, seed=3)
     specials = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 6e4, -6e4], dtype)
     for k, x in enumerate(xs):
@@ -146,7 +145,8 @@ def test_special_values_and_ops(shm, dtype, opname):
         x[:4] = -0.0                       # all -0.0: -0.0; mixed zeros: +0.0
         x[4:8] = -0.0 if k % 2 else 0.0
     out = np.empty_like(xs[r])
-    shm.allreduce(xs[r], out, op)
+    with ShmAllreduce(comm) as shm:     # 40000 values: above the one-shot size for any dtype
+        shm.allreduce(xs[r], out, op)
     everywhere(comm, equal_bits(out, fixed_order(xs, op)), f"{opname} with NaN/Inf/-0.0")
     same_on_all_ranks(comm, out)
 
