@@ -140,7 +140,7 @@ class ShmAllreduce:
         self.cap = self._rcap = self._stride = 0
         self._views = {}        # dtype -> flat array over the window
         self._plans = {}        # message shape -> views (see _plan)
-        self._acc = {}          # accumulation dtype -> TILE values of scratch
+        self._acc = {d: np.empty(SK.TILE, d) for d in (np.dtype(np.float32), np.dtype(np.float64))}
         self._oneshots = 0
         self._pending = None    # (n, kernel dtype, result dtype) between the halves
         self._warmed = set()
@@ -250,7 +250,7 @@ class ShmAllreduce:
         if not isinstance(send, np.ndarray):
             raise TypeError(f"ShmAllreduce.reduce_scatter: sendbuf must be a numpy array, "
                             f"not {type(send).__name__}")
-        _, src, kop = self._check("reduce_scatter", None, send, op)
+        src, _, kop = self._check("reduce_scatter", None, send, op)
         res = self._reduce_scatter(src, kop, keep_acc, None)
         d = send.dtype
         return res if res.dtype != _TYPES[d][0] else res.view(d)
@@ -263,10 +263,8 @@ class ShmAllreduce:
         _, out, _ = self._check("allgather", None, recv, MPI.SUM)
         n, kd, _ = self._pending
         if (out.size, out.dtype) != (n, kd):
-            raise ValueError(f"ShmAllreduce.allgather: recvbuf has {out.size} values of "
-                             f"{recv.dtype}; the reduce_scatter had {n} of another dtype"
-                             if out.size == n else f"ShmAllreduce.allgather: recvbuf has "
-                             f"{out.size} values; the reduce_scatter had {n}")
+            raise ValueError(f"ShmAllreduce.allgather: recvbuf ({recv.size} x {recv.dtype}) "
+                             f"does not match the reduce_scatter's message ({n} values)")
         self._allgather(out, skip_own=False)
 
     def _check(self, what, send, recv, op):
@@ -296,7 +294,7 @@ class ShmAllreduce:
             raise TypeError(f"ShmAllreduce.{what}: sendbuf dtype {send.dtype} differs from "
                             f"recvbuf dtype {recv.dtype}")
         if send is not None and send.size != recv.size:
-            raise ValueError(f"ShmAllreduce.{what}: sendbuf has {send.size} values and "
+            raise ValueError(f"ShmAllreduce.{what}: sendbuf has {send.size} values, "
                              f"recvbuf {recv.size}")
         kd = _TYPES[recv.dtype][0]
         out = recv.reshape(-1).view(kd)
@@ -320,12 +318,6 @@ class ShmAllreduce:
             self.comm.Barrier()
         self._warmed.add(kd)
 
-    def _scratch(self, acc_dtype):
-        a = self._acc.get(acc_dtype)
-        if a is None:
-            a = self._acc[acc_dtype] = np.empty(SK.TILE, acc_dtype)
-        return a
-
     def _reduce(self, win, stride, own, lo, hi, kop, out, out2):
         """Slice [lo, hi) of every slot, this rank's read from own."""
         if self.P == 2:
@@ -333,7 +325,7 @@ class ShmAllreduce:
                               else (win, lo, own, lo))
             SK.reduce_pair(x0, b0, x1, b1, hi - lo, kop, out, out2)
         else:
-            acc = self._scratch(_ACC_OF_KERNEL[win.dtype])
+            acc = self._acc[_ACC_OF_KERNEL[win.dtype]]
             SK.reduce_slots(win, stride, self.P, self.rank, own, lo, hi, kop, acc, out, out2)
 
     def _plan(self, n, kd, rd):
