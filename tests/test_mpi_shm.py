@@ -257,7 +257,7 @@ def test_fake_nodes():
     finally:
         del os.environ[FAKE_NODES_ENV]
     # on its fake node's communicator it works; node 0 holds ranks 0..P//2-1
-    spec = f"{P // 2},{P - P // 2}"
+    spec = f"2x{P // 2}" if P % 2 == 0 else f"{P // 2},{P - P // 2}"
     node = split_nodes(w, nodes=spec)
     first = r < P // 2
     members = node.allgather(r)
