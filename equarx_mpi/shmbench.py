@@ -115,7 +115,6 @@ def run_allreduce(args):
                   f"{med['2phase']:>9.1f} {med['win']:>9.1f} "
                   + " ".join(f"{med['mpi'] / med[k]:>8.2f}" for k in ("shm", "2phase", "win"))
                   + f" {model['shm']:>10.1f} {model['win']:>10.1f}", flush=True)
-        del w
     sh.free()
     sh2.free()
 
