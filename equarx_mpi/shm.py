@@ -16,9 +16,10 @@ MPI library's), cut into P slots of ``stride`` bytes, slot k for rank k:
     [ data: cap bytes | result: rcap bytes | one-shot area 0 | one-shot area 1 ]
 
 Two-phase schedule (messages above ONESHOT_BYTES):
-  reduce_scatter: rank k copies its input into its data slot (skipped when
-      the input is that slot, see empty()); sync; rank i reduces slice i of
-      every data slot into its result region (and into its own recv).
+  reduce_scatter: rank k copies its input, all but its own slice, into its
+      data slot (skipped when the input is that slot, see empty()); sync;
+      rank i reduces slice i of every data slot (its own from its input)
+      into its result region (and into its own recv).
   allgather: sync; every rank copies slice j from rank j's result region.
 Nothing else needs a barrier: data slots are read only between the two
 syncs of a call, and result regions are written only after the first sync
