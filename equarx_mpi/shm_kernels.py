@@ -18,7 +18,7 @@ maximum and minimum do.
 import numpy as np
 from numba import njit
 
-from .kernels import OP_SUM, _reduce as reduce2, load, store
+from .kernels.common import OP_SUM, load, reduce2, store
 
 _CACHE = dict(cache=True, nogil=True)
 #: Values per tile of the fused reduction: the accumulator of one tile stays
