@@ -23,7 +23,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 DEFAULTS = dict(
     wire="int8",
-    block_size=256,
+    block_size=None,        # the wire's own, formats.default_block: 256, int4 64, int4-affine 128
     algorithm="ring",
     chunks=None,
     min_quantized_bytes=None,
@@ -96,6 +96,8 @@ def resolve(given):
         given["wire"] = wire
     opts = dict(DEFAULTS, **_from_env())
     opts.update(given)
+    if opts["block_size"] is None and opts["wire"] in formats.WIRES:
+        opts["block_size"] = formats.default_block(opts["wire"])
     if isinstance(opts["lossy_ops"], str):
         opts["lossy_ops"] = (opts["lossy_ops"],)
     opts["lossy_ops"] = tuple(sorted(set(o.lower() if isinstance(o, str) else o
@@ -113,8 +115,11 @@ def check(o):
     if o["wire"] not in formats.WIRES:
         raise ValueError(f"wire must be one of {formats.WIRES}, not {o['wire']!r}")
     b = o["block_size"]
-    if not _is_int(b) or b < 32 or b > 4096 or b & (b - 1):
-        raise ValueError(f"block_size must be a power of two from 32 to 4096, not {b!r}")
+    if b is None:
+        b = formats.default_block(o["wire"])
+    elif not _is_int(b) or b < 32 or b > 4096 or b & (b - 1):
+        raise ValueError(f"block_size must be None or a power of two from 32 to 4096, "
+                         f"not {b!r}")
     if o["algorithm"] not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
     c = o["chunks"]

@@ -1,0 +1,290 @@
+"""Shared-window exact AllReduce (equarx_mpi/shm.py), at any number of ranks.
+
+    mpirun -n 4 python -m pytest --with-mpi tests/test_mpi_shm.py
+
+Every rank builds every rank's input from one seed and computes the
+reference itself: the reduction in the fixed order rank 0, 1, ..., P-1 with
+numpy, in float32 for 16-bit types and rounded once.  Per-rank checks are
+combined across ranks before asserting.
+"""
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from equarx_mpi.shm import FAKE_NODES_ENV, ShmAllreduce, parse_nodes, split_nodes
+
+from reference import BF16
+
+DTYPES = [np.float32, np.float64, np.float16, BF16]
+OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
+
+
+def everywhere(comm, ok, what):
+    bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
+    assert not bad, f"{what} failed on ranks {bad}"
+
+
+def same_on_all_ranks(comm, arr):
+    ref = comm.bcast(arr.tobytes() if comm.Get_rank() == 0 else None)
+    everywhere(comm, arr.tobytes() == ref, "bitwise identical results")
+
+
+def inputs(P, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(dtype) for _ in range(P)]
+
+
+def combine(op, a, b):
+    """The kernels' rule: IEEE a + b, or max/min keeping a NaN from either
+    side and, on ties such as -0.0 vs 0.0, the left value."""
+    if op is MPI.SUM:
+        return a + b
+    pick = a >= b if op is MPI.MAX else a <= b
+    return np.where(np.isnan(a) | np.isnan(b), a + b, np.where(pick, a, b))
+
+
+def fixed_order(xs, op=MPI.SUM):
+    acc_dt = np.float64 if xs[0].dtype == np.float64 else np.float32
+    acc = xs[0].astype(acc_dt)
+    for x in xs[1:]:
+        acc = combine(op, acc, x.astype(acc_dt))
+    return acc.astype(xs[0].dtype)
+
+
+def equal_bits(a, b):
+    """Bitwise equal, except that any NaN matches any NaN (the payload of a
+    NaN made by Inf - Inf, or rounded to 16 bits, is not numpy's concern)."""
+    na, nb = np.isnan(a.astype(np.float64)), np.isnan(b.astype(np.float64))
+    return (na == nb).all() and np.array_equal(a[~na].view(np.uint8), b[~nb].view(np.uint8))
+
+
+@pytest.fixture(params=["world", "self", "dup", "split"])
+def comm(request):
+    w = MPI.COMM_WORLD
+    c = {"world": lambda: w, "self": lambda: MPI.COMM_SELF, "dup": w.Dup,
+         "split": lambda: w.Split(w.Get_rank() % 2, -w.Get_rank())}[request.param]()
+    yield c
+    if request.param in ("dup", "split"):
+        c.Free()
+
+
+@pytest.fixture(params=["auto", "two-phase"])
+def shm(request, comm):
+    # oneshot_bytes=0: every size takes the reduce-scatter + all-gather path
+    with ShmAllreduce(comm, oneshot_bytes=0 if request.param == "two-phase" else None) as sh:
+        yield sh
+
+
+def test_serial_self_all_dtypes():
+    """COMM_SELF, also without mpirun: compiles (and caches) every kernel."""
+    with ShmAllreduce(MPI.COMM_SELF, oneshot_bytes=0) as sh:
+        for dtype in DTYPES:
+            x = inputs(1, 1000, dtype, 0)[0]
+            y = np.empty_like(x)
+            sh.allreduce(x, y)
+            assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+            mine = sh.reduce_scatter(x, keep_acc=True)
+            assert mine.dtype == (np.float64 if dtype == np.float64 else np.float32)
+            sh.allgather(y)
+            assert np.array_equal(x.view(np.uint8), y.view(np.uint8))
+
+
+def test_parse_nodes():
+    assert parse_nodes("2x2", 4) == [2, 2]
+    assert parse_nodes("3,1", 4) == [3, 1]
+    for bad in ("2x2", "5", "a,b", "0,4"):
+        with pytest.raises(ValueError):
+            parse_nodes(bad, 4 if bad != "2x2" else 5)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", [1, 7, 1000, 100003])
+def test_sum_matches_fixed_order_bitwise(shm, dtype, n):
+    check_sum(shm, dtype, n)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
+def test_sum_large_odd_size(dtype):
+    with ShmAllreduce(MPI.COMM_WORLD) as sh:
+        check_sum(sh, dtype, 1000003)
+
+
+def check_sum(shm, dtype, n):
+    comm = shm.comm
+    P, r = comm.Get_size(), comm.Get_rank()
+    xs = inputs(P, n, dtype, seed=n)
+    xs[r].flags.writeable = False        # a read-only sendbuf is fine
+    out = np.full_like(xs[r], 7)
+    shm.allreduce(xs[r], out)
+    everywhere(comm, equal_bits(out, fixed_order(xs)), "equal to the fixed-order reference")
+    same_on_all_ranks(comm, out)
+    # in place, both spellings, and again: the same bits from call to call
+    for send in (MPI.IN_PLACE, None):
+        again = xs[r].copy()
+        shm.allreduce(send, again)
+        everywhere(comm, np.array_equal(again.view(np.uint8), out.view(np.uint8)),
+                   "in place equals out of place")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("opname", OPS)
+@pytest.mark.parametrize("n", [1000, 40000], ids=["one-shot", "two-phase"])
+def test_special_values_and_ops(comm, dtype, opname, n):
+    op = OPS[opname]
+    P, r = comm.Get_size(), comm.Get_rank()
+    xs = inputs(P, n, dtype, seed=3)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 6e4, -6e4], dtype)
+    for k, x in enumerate(xs):
+        # rank k puts specials at positions that overlap its neighbours'
+        pos = (np.arange(0, n, 97) + 13 * k) % n
+        x[pos] = specials[(np.arange(pos.size) + k) % specials.size]
+        x[:4] = -0.0                       # all -0.0: -0.0; mixed zeros: +0.0
+        x[4:8] = -0.0 if k % 2 else 0.0
+    out = np.empty_like(xs[r])
+    with ShmAllreduce(comm) as shm:     # 40000 values: above the one-shot size for any dtype
+        shm.allreduce(xs[r], out, op)
+    everywhere(comm, equal_bits(out, fixed_order(xs, op)), f"{opname} with NaN/Inf/-0.0")
+    same_on_all_ranks(comm, out)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=lambda d: np.dtype(d).name)
+def test_empty_buffers(shm, dtype):
+    comm = shm.comm
+    P, r = comm.Get_size(), comm.Get_rank()
+    for n in (5, 30000):
+        xs = inputs(P, n, dtype, seed=n)
+        ref = fixed_order(xs)
+        w = shm.empty((n,), dtype)
+        w[...] = xs[r]
+        shm.allreduce(MPI.IN_PLACE, w)               # the window, in place
+        everywhere(comm, equal_bits(w, ref), "empty() buffer in place")
+        w[...] = xs[r]
+        out = np.empty_like(w)
+        shm.allreduce(w, out)                        # the window as sendbuf
+        everywhere(comm, equal_bits(out, ref) and equal_bits(w, xs[r]),
+                   "empty() buffer as sendbuf, left unchanged")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_window_grows_across_calls(comm):
+    P, r = comm.Get_size(), comm.Get_rank()
+    with ShmAllreduce(comm) as sh:
+        old = sh.empty(10, np.float32)
+        caps = []
+        for n in (10, 3000, 70000, 300000):
+            xs = inputs(P, n, np.float32, seed=n)
+            out = np.empty_like(xs[r])
+            sh.allreduce(xs[r], out)
+            caps.append(sh.cap)
+            everywhere(comm, equal_bits(out, fixed_order(xs)), f"n={n} after growth")
+        everywhere(comm, caps[-1] > caps[0], "the window grew")
+        # a buffer from the first window stays usable (now copied like any array)
+        old[...] = r + 1
+        sh.allreduce(MPI.IN_PLACE, old)
+        everywhere(comm, (old == P * (P + 1) / 2).all(), "empty() buffer from before growth")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("keep_acc", [False, True])
+def test_halves_compose(comm, dtype, keep_acc):
+    P, r = comm.Get_size(), comm.Get_rank()
+    n = 10007
+    xs = inputs(P, n, dtype, seed=11)
+    with ShmAllreduce(comm) as sh:
+        mine = sh.reduce_scatter(xs[r], keep_acc=keep_acc)
+        lo, hi = sh.bounds(n, dtype)
+        ref = fixed_order(xs)
+        acc_ref = (fixed_order([x.astype(np.float32) for x in xs])
+                   if keep_acc and np.dtype(dtype).itemsize == 2 else ref)
+        ok = mine.size == hi - lo and equal_bits(mine, acc_ref[lo:hi])
+        out = np.empty_like(xs[r])
+        sh.allgather(out)
+        everywhere(comm, ok and equal_bits(out, ref), "reduce_scatter + allgather")
+        # the hierarchical step: each rank replaces its slice before the gather
+        mine = sh.reduce_scatter(xs[r], keep_acc=keep_acc)
+        mine[...] = r + 1
+        sh.allgather(out)
+        owner = np.concatenate([np.full(sh.bounds(n, dtype, k)[1] - sh.bounds(n, dtype, k)[0],
+                                        k + 1) for k in range(P)])
+        everywhere(comm, np.array_equal(out.astype(np.float64), owner),
+                   "slices replaced between the halves")
+        # the slices are whole 64-byte lines and cover the message
+        b = [sh.bounds(n, dtype, k) for k in range(P)]
+        per = 64 // np.dtype(dtype).itemsize
+        everywhere(comm, b[0][0] == 0 and b[-1][1] == n and all(
+            b[k][1] == b[k + 1][0] and (b[k][1] % per == 0 or b[k][1] == n)
+            for k in range(P - 1)), "slice bounds")
+
+
+@pytest.mark.mpi(min_size=1)
+def test_argument_errors(comm):
+    with ShmAllreduce(comm) as sh:
+        x = np.ones(10, np.float32)
+        for send, recv, op, exc in [(x, np.empty(10), MPI.SUM, TypeError),
+                                    (x, np.empty(11, np.float32), MPI.SUM, ValueError),
+                                    (x, np.empty(10, np.float32), MPI.PROD, TypeError),
+                                    (x, np.empty(10, np.float32), "sum", TypeError),
+                                    (np.ones(10, np.int32), np.empty(10, np.int32), MPI.SUM,
+                                     TypeError),
+                                    (x, np.empty((10, 2), np.float32)[:, 0], MPI.SUM,
+                                     ValueError)]:
+            with pytest.raises(exc):
+                sh.allreduce(send, recv, op)
+        with pytest.raises(RuntimeError):
+            sh.allgather(np.empty(10, np.float32))
+    with pytest.raises(RuntimeError):
+        sh.allreduce(x, np.empty_like(x))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fake_nodes():
+    w = MPI.COMM_WORLD
+    P, r = w.Get_size(), w.Get_rank()
+    # not one node: the same ValueError on every rank, also through the env var
+    with pytest.raises(ValueError, match="one node"):
+        ShmAllreduce(w, nodes=f"1,{P - 1}")
+    os.environ[FAKE_NODES_ENV] = f"{P - 1},1"
+    try:
+        with pytest.raises(ValueError, match="one node"):
+            ShmAllreduce(w)
+    finally:
+        del os.environ[FAKE_NODES_ENV]
+    # on its fake node's communicator it works; node 0 holds ranks 0..P//2-1
+    spec = f"2x{P // 2}" if P % 2 == 0 else f"{P // 2},{P - P // 2}"
+    node = split_nodes(w, nodes=spec)
+    first = r < P // 2
+    members = node.allgather(r)
+    everywhere(w, members == (list(range(P // 2)) if first else list(range(P // 2, P))),
+               "fake node membership")
+    xs = inputs(P, 5000, np.float32, seed=5)
+    mine = xs[:P // 2] if first else xs[P // 2:]
+    out = np.empty(5000, np.float32)
+    with ShmAllreduce(node) as sh:
+        sh.allreduce(xs[r], out)
+    node.Free()
+    everywhere(w, equal_bits(out, fixed_order(mine)), "allreduce on a fake node")
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("n", [300, 20000])
+def test_back_to_back_calls(n):
+    """Many calls in a row with new data each time: a rank that leaves a call
+    early must not overwrite what a slower rank still reads (one-shot areas
+    alternate; two-phase result regions are written after the first sync)."""
+    w = MPI.COMM_WORLD
+    P, r = w.Get_size(), w.Get_rank()
+    xs = inputs(P, n, np.float32, seed=9)
+    ok = True
+    with ShmAllreduce(w) as sh:
+        out = np.empty(n, np.float32)
+        for call in range(60):
+            sh.allreduce(xs[r] * np.float32(call), out)
+            ok &= equal_bits(out, fixed_order([x * np.float32(call) for x in xs]))
+    everywhere(w, ok, "every call's result")
