@@ -29,13 +29,14 @@ import numpy as np
 
 
 def _dispatchers():
-    from . import kernels
+    """Every numba kernel of the package's loaded modules."""
     from numba.core.dispatcher import Dispatcher
     seen = {}
-    for mod in (kernels.common, kernels.int8, kernels.plain):
-        for obj in vars(mod).values():
-            if isinstance(obj, Dispatcher):
-                seen[id(obj)] = obj
+    for name, mod in list(sys.modules.items()):
+        if name.startswith(__package__ + ".") and mod is not None:
+            for obj in vars(mod).values():
+                if isinstance(obj, Dispatcher):
+                    seen[id(obj)] = obj
     return list(seen.values())
 
 
@@ -69,9 +70,9 @@ def warmup(verbose=False):
         for dt in QUANTIZED_DTYPES:
             kd = _kernel_view(np.zeros(1, dt), False).dtype
             t = time.perf_counter()
-            _warm(formats.make_format(wire, 256, kd), kd)
+            _warm(formats.make_format(wire, formats.default_block(wire), kd), kd)
             if verbose:
-                print(f"  {wire:5s} {np.dtype(dt).name:9s} {time.perf_counter() - t:7.2f} s",
+                print(f"  {wire:11s} {np.dtype(dt).name:9s} {time.perf_counter() - t:7.2f} s",
                       flush=True)
     ds = _dispatchers()
     hits, misses = _counts(ds)
