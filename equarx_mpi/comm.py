@@ -243,7 +243,9 @@ class QuantizedComm:
         biggest = max(length for _, length in shards) * own.dtype.itemsize
         chunks = policy.chunks(self.options, self.one_node, biggest)
         key = (kind, tuple(shards), chunks, own.dtype.str)
-        schedule = ring if self.algorithm == "ring" else two_shot
+        # Allgather quantizes each value once already: every algorithm
+        # forwards it around the ring
+        schedule = two_shot if self.algorithm == "two_shot" and kind != "allgather" else ring
         plan = self._plans.get(key)
         if plan is None:
             plan = schedule.Plan(kind, fmt, shards, self._comm.Get_rank(), chunks,

@@ -1,23 +1,28 @@
 """Two-shot: one quantization by every sender, one by every owner.
 
-Rank r owns shard r.  Every rank quantizes each other shard of its input
-once and sends it straight to that shard's owner (scatter).  The owner
-reduces, in one fused pass per block, the P-1 decoded contributions and
-its own raw values at full precision, always in rank order 0..P-1 (its
-own values in place r), quantizes its finished shard once and sends those
-bytes to every other rank (all-gather); every rank, the owner too,
-decodes the same bytes, so results are identical on every rank and from
-call to call, and every rank knows the same flagged blocks.  A value is
-quantized at most twice whatever P (the ring: P times).
+Rank r owns shard r (the ring's shards).  Every rank quantizes each other
+shard of its input once and sends it straight to that shard's owner
+(scatter).  The owner reduces, in one fused pass per block, the P-1
+decoded contributions and its own raw values at full precision, always
+in rank order 0..P-1 with its own values in place r, and quantizes its
+finished shard once.  Those bytes travel unchanged around the ring
+(all-gather, as in ring.py), and every rank, the owner too, decodes the
+same bytes: results are identical on every rank and from call to call,
+and every rank knows the same flagged blocks.  A value is quantized at
+most twice whatever P (the ring: P times).
 
-Shards are cut into block-aligned pieces like the ring's (ring.Plan's
-rules: ``chunks``, and ``max_message_bytes`` per message), each its own
-message, so the owner reduces piece j while piece j+1 is on the wire.
-All receives are posted up front into their own workspace slots; each
-(sender, receiver, phase) stream keeps one order on both sides, so a tag
-per phase suffices.  Workspace per rank: the sender's encoded message, the
-owner's P-1 contributions to its shard and the P-1 other finished shards,
-about (3 - 2/P) times the encoded message (docs in two_shot.Plan).
+Shards are cut into pieces by the ring's rules (``chunks``, and
+``max_message_bytes`` per message), each its own message, so the owner
+reduces piece j while piece j+1 is on the wire.  All receives are posted
+up front into their own workspace slots; each (sender, receiver, phase)
+stream keeps one order on both sides, so a tag per phase suffices.
+
+Why the all-gather forwards around the ring instead of sending straight
+to every rank: on the emulated 4 x 1 Gbit/s cluster the direct sends put
+P-1 more TCP streams on every receiving link while the scatter's P-1 are
+still arriving, and the whole call was 1.13x-1.25x slower at 16-64 MiB
+(docs/results/two-shot-gather.txt); on shared memory the two were within
+noise at those sizes.
 """
 import numpy as np
 from mpi4py import MPI
@@ -52,29 +57,28 @@ def _cuts(fmt, shards, chunks, block, max_piece_bytes):
 
 class Plan:
     """Where every piece lives, for one rank, one message shape and one
-    kind: "allreduce", "reduce_scatter" (no all-gather; the owner reduces
-    into the caller's output at full precision) or "allgather" (no scatter:
-    each rank's own values are its finished shard).
+    kind: "allreduce" or "reduce_scatter" (no all-gather: the owner reduces
+    into the caller's output at full precision, not requantized).
 
-    Workspace bytes per rank, E(x) being the encoded size of x values:
-    scatter sends E(n - shard r), contributions (P-1) E(shard r), finished
-    shards E(n) (allreduce and allgather only): at most (3 - 2/P) E(n) for
-    equal shards, 0.76x the float32 message for int8 at block 256."""
+    Workspace bytes per rank, E(x) being the encoded size of x values and
+    m the own shard: scatter sends E(n - m), contributions (P-1) E(m), and
+    for an allreduce the finished shards E(n): (3 - 2/P) E(n) for equal
+    shards, at most 0.76x the float32 message at int8 block 256 (the
+    ring: 2 E(n))."""
 
     def __init__(self, kind, fmt, shards, rank, chunks, block, max_piece_bytes, workspace):
+        if kind not in ("allreduce", "reduce_scatter"):
+            raise ValueError(f"two_shot.Plan: no kind {kind!r}")
         P = len(shards)
         self.kind, self.P, self.rank = kind, P, rank
         cuts = _cuts(fmt, shards, chunks, block, max_piece_bytes)
-        scatter = kind != "allgather"
-        gather = kind != "reduce_scatter"
-        others = [(rank + d) % P for d in range(1, P)]       # staggered: not all to rank 0 first
-        size = lambda lo, hi: fmt.nbytes(hi - lo)             # noqa: E731
-        total = 0
-        if scatter:
-            total += sum(size(*c) for s in others for c in cuts[s])
-            total += (P - 1) * sum(size(*c) for c in cuts[rank])
-        if gather:
-            total += sum(size(*c) for pieces in cuts for c in pieces)
+        others = [(rank + d) % P for d in range(1, P)]     # staggered: not all to rank 0 first
+        size = lambda lo, hi: fmt.nbytes(hi - lo)           # noqa: E731
+        rest = sum(size(*c) for s in others for c in cuts[s])
+        mine = sum(size(*c) for c in cuts[rank])
+        total = rest + (P - 1) * mine
+        if kind == "allreduce":
+            total += mine + rest
         self.workspace_bytes = total
         ws = workspace(total)
         at = 0
@@ -88,23 +92,22 @@ class Plan:
             buf = take(size(lo, hi))
             return Piece(lo, hi, buf, fmt.views(buf, hi - lo))
 
-        #: scatter sends as (destination, piece): piece j to every owner
-        #: before piece j+1, so owners can start reducing early
-        self.sends = []
+        #: per piece index j, the scatter sends (owner, piece) of piece j
+        self.sends = [[(s, piece(*cuts[s][j])) for s in others if j < len(cuts[s])]
+                      for j in range(max(len(c) for c in cuts))]
+        senders = [q for q in range(P) if q != rank]
         self.stacks = []
-        if scatter:
-            for j in range(max(len(cuts[s]) for s in range(P))):
-                self.sends += [(s, piece(*cuts[s][j])) for s in others if j < len(cuts[s])]
-            senders = [q for q in range(P) if q != rank]
-            for lo, hi in cuts[rank]:
-                nb = size(lo, hi)
-                buf = take((P - 1) * nb)
-                parts = [(q, buf[i * nb:(i + 1) * nb]) for i, q in enumerate(senders)]
-                self.stacks.append(Stack(lo, hi, parts, fmt.stack_views(buf, hi - lo, P - 1)))
-        #: this rank's finished shard, and the others' as (owner, piece)
-        self.own = [piece(*c) for c in cuts[rank]] if gather else []
-        self.gathers = [(s, piece(*c)) for s in others for c in cuts[s]] if gather else []
-        self.others = others
+        for lo, hi in cuts[rank]:
+            nb = size(lo, hi)
+            buf = take((P - 1) * nb)
+            parts = [(q, buf[i * nb:(i + 1) * nb]) for i, q in enumerate(senders)]
+            self.stacks.append(Stack(lo, hi, parts, fmt.stack_views(buf, hi - lo, P - 1)))
+        #: this rank's finished shard; then, all-gather step k bringing
+        #: shard r-k-1 from the left, as (k, piece)
+        ag = kind == "allreduce"
+        self.own = [piece(*c) for c in cuts[rank]] if ag else []
+        self.gathers = [(k, piece(*c)) for k in range(P - 1)
+                        for c in cuts[(rank - k - 1) % P]] if ag else []
 
 
 def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0):
@@ -120,22 +123,34 @@ def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0):
 
 
 def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
-    r = plan.rank
+    P, r = plan.P, plan.rank
+    left, right = (r - 1) % P, (r + 1) % P
     scattered = [[comm.Irecv(buf, q, TAG_SCATTER) for q, buf in st.parts]
                  for st in plan.stacks]
-    gathered = [comm.Irecv(p.buf, s, TAG_GATHER) for s, p in plan.gathers]
+    gathered = [comm.Irecv(p.buf, left, TAG_GATHER) for _, p in plan.gathers]
     sends, flagged = [], []
 
+    def post(j):
+        # Own is read for other owners only here, and every piece is posted
+        # before any decode writes other shards into out (own, in place).
+        for dest, p in plan.sends[j] if j < len(plan.sends) else ():
+            fmt.encode(own[p.lo - own_offset:p.hi - own_offset], p.w, rmode)
+            sends.append(comm.Isend(p.buf, dest, TAG_SCATTER))
+
     def decode(p):
-        skipped = fmt.decode(p.w, out[p.lo - out_offset:p.hi - out_offset])
+        skipped = fmt.decode(p.w, out[p.lo:p.hi])
         flagged.extend(block_ranges(p, skipped, fmt.block))
 
-    # Every read of own for other owners happens here, before any decode
-    # writes into out (which may be own: in place).
-    for dest, p in plan.sends:
-        fmt.encode(own[p.lo - own_offset:p.hi - own_offset], p.w, rmode)
-        sends.append(comm.Isend(p.buf, dest, TAG_SCATTER))
-    for j, st in enumerate(plan.stacks):
+    post(0)
+    for j in range(max(len(plan.sends), len(plan.stacks))):
+        # Piece j+1 goes out just before we wait for piece j: with every
+        # piece posted at once, MPI interleaves them all on a link and the
+        # first arrives near the end (measured on the emulated cluster),
+        # leaving nothing to overlap.
+        post(j + 1)
+        if j >= len(plan.stacks):
+            continue
+        st = plan.stacks[j]
         MPI.Request.Waitall(scattered[j])
         mine = own[st.lo - own_offset:st.hi - own_offset]
         if plan.kind == "reduce_scatter":
@@ -145,15 +160,13 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
             continue
         q = plan.own[j]
         fmt.decode_reduce_encode_many(mine, r, st.w, q.w, op, rmode)
-        sends += [comm.Isend(q.buf, d, TAG_GATHER) for d in plan.others]
+        sends.append(comm.Isend(q.buf, right, TAG_GATHER))
         decode(q)
-    if plan.kind == "allgather":
-        for q in plan.own:
-            fmt.encode(own[q.lo - own_offset:q.hi - own_offset], q.w, rmode)
-            sends += [comm.Isend(q.buf, d, TAG_GATHER) for d in plan.others]
-            decode(q)
-    for _ in gathered:                # decode pieces in the order they arrive
-        decode(plan.gathers[MPI.Request.Waitany(gathered)][1])
+    for (k, p), req in zip(plan.gathers, gathered):
+        req.Wait()
+        if k < P - 2:
+            sends.append(comm.Isend(p.buf, right, TAG_GATHER))
+        decode(p)
     MPI.Request.Waitall(sends)
     return flagged
 
