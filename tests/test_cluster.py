@@ -5,7 +5,6 @@ Serial (not under mpirun): python -m pytest tests/test_cluster.py
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile

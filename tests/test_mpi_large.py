@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.large,
                                  reason="set EQUARX_MPI_LARGE=1 (needs ~4 GiB per rank)")]
 
 
+CHUNK = 1 << 26
+
+
 def pattern(i):
     """-v, 0 or +v, with v = 1..97 chosen per block of 256."""
     v = (i // 256 % 97 + 1).astype(np.float32)
@@ -30,13 +33,15 @@ def test_allreduce_above_2_gib_per_rank():
     comm = MPI.COMM_WORLD
     P = comm.Get_size()
     n = (2 << 30) // 4 + 3 * 1024 + 5                  # just over 2 GiB of float32
-    x = pattern(np.arange(n, dtype=np.int64))
+    x = np.empty(n, np.float32)
+    for lo in range(0, n, CHUNK):                      # no n-sized int64 temporaries
+        x[lo:lo + CHUNK] = pattern(np.arange(lo, min(n, lo + CHUNK), dtype=np.int64))
     with QuantizedComm(comm) as qc:
         qc.Allreduce(MPI.IN_PLACE, x)
         assert qc._ws.nbytes < 2 ** 31 * 0.6
     expect_bad = 0
-    for lo in range(0, n, 1 << 26):                    # check without a second full copy
-        want = pattern(np.arange(lo, min(n, lo + (1 << 26)), dtype=np.int64))
+    for lo in range(0, n, CHUNK):                      # check without a second full copy
+        want = pattern(np.arange(lo, min(n, lo + CHUNK), dtype=np.int64))
         expect_bad += int(np.count_nonzero(x[lo:lo + want.size] != P * want))
     bad = comm.allreduce(expect_bad)
     assert bad == 0, f"{bad} wrong values"

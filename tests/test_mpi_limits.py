@@ -10,29 +10,13 @@ from mpi4py import MPI
 import equarx_mpi
 from equarx_mpi import QuantizedComm
 
+from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
 F32MAX = np.finfo(np.float32).max
 SUB32 = np.finfo(np.float32).smallest_subnormal
-
-
-def everywhere(ok, what):
-    bad = [r for r, v in enumerate(WORLD.allgather(bool(ok))) if not v]
-    assert not bad, f"{what} failed on ranks {bad}"
-
-
-def raises_everywhere(exc_type, fn, match):
-    try:
-        fn()
-        got = None
-    except Exception as e:          # noqa: BLE001 - compared below
-        got = (type(e).__name__, str(e))
-    everyone = WORLD.allgather(got)
-    assert all(g is not None and g[0] == exc_type.__name__ for g in everyone), everyone
-    assert len({g[1] for g in everyone}) == 1, everyone
-    assert match in everyone[0][1], everyone[0][1]
 
 
 @pytest.fixture

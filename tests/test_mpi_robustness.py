@@ -13,31 +13,12 @@ from mpi4py import MPI
 
 from equarx_mpi import QuantizedComm
 
+from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16, ring_allreduce
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
 F32MAX = float(np.finfo(np.float32).max)
-
-
-def everywhere(ok, what, comm=WORLD):
-    bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
-    assert not bad, f"{what} failed on ranks {bad}"
-
-
-def raises_everywhere(exc_type, fn, match=None):
-    """fn() must raise exc_type on every rank, with the same message."""
-    try:
-        fn()
-        got = None
-    except Exception as e:          # noqa: BLE001 - compared below
-        got = (type(e).__name__, str(e))
-    everyone = WORLD.allgather(got)
-    assert all(g is not None and g[0] == exc_type.__name__ for g in everyone), everyone
-    assert len({g[1] for g in everyone}) == 1, f"messages differ: {everyone}"
-    if match:
-        assert match in everyone[0][1], everyone[0][1]
-    return everyone[0][1]
 
 
 @pytest.fixture

@@ -1,0 +1,26 @@
+"""Assertions for tests under mpirun: a check that fails on one rank must
+fail on every rank (else the others wait in the next collective)."""
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+
+def everywhere(ok, what, comm=WORLD):
+    """Assert ok on every rank, reporting which ranks failed."""
+    bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
+    assert not bad, f"{what} failed on ranks {bad}"
+
+
+def raises_everywhere(exc_type, fn, match=None, comm=WORLD):
+    """fn() must raise exc_type on every rank, with the same message."""
+    try:
+        fn()
+        got = None
+    except Exception as e:          # noqa: BLE001 - compared below
+        got = (type(e).__name__, str(e))
+    everyone = comm.allgather(got)
+    assert all(g is not None and g[0] == exc_type.__name__ for g in everyone), everyone
+    assert len({g[1] for g in everyone}) == 1, f"messages differ: {everyone}"
+    if match:
+        assert match in everyone[0][1], everyone[0][1]
+    return everyone[0][1]
