@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from equarx_mpi import QuantizedComm
 
+from mpi_helpers import everywhere
 from reference import BF16, allgather, shard_edges, two_shot_allreduce
 from test_mpi_property import draw, make, mpi, run_library
 
@@ -26,11 +27,6 @@ DTYPES = [np.float32, np.float64, np.float16, BF16]
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 TS = dict(algorithm="two_shot", min_quantized_bytes=0)
 CASES = int(os.environ.get("EQUARX_MPI_TWO_SHOT_CASES", "24"))
-
-
-def everywhere(comm, ok, what):
-    bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
-    assert not bad, f"{what} failed on ranks {bad}"
 
 
 def inputs(P, n, dtype, seed, scale=1.0):
@@ -49,7 +45,7 @@ def sum_slack(xs):
 
 def same_on_all_ranks(comm, arr):
     ref = comm.bcast(arr.tobytes() if comm.Get_rank() == 0 else None)
-    everywhere(comm, arr.tobytes() == ref, "bitwise identical on all ranks")
+    everywhere(arr.tobytes() == ref, "bitwise identical on all ranks", comm=comm)
 
 
 @pytest.fixture(params=["world", "split"])
@@ -73,13 +69,13 @@ def test_allreduce_matches_simulation_bitwise(comm, dtype, n):
         qc.Allreduce(xs[r], out)
         method = qc.last_call.method
         qc.Allreduce(xs[r], again)
-    everywhere(comm, method == ("two_shot" if P > 1 else "copy"), "took the two-shot")
+    everywhere(method == ("two_shot" if P > 1 else "copy"), "took the two-shot", comm=comm)
     ref, bound, _ = two_shot_allreduce(xs, 256, with_bound=True)
-    everywhere(comm, out.tobytes() == ref.tobytes(), "equal to the numpy simulation")
-    everywhere(comm, again.tobytes() == out.tobytes(), "identical from call to call")
+    everywhere(out.tobytes() == ref.tobytes(), "equal to the numpy simulation", comm=comm)
+    everywhere(again.tobytes() == out.tobytes(), "identical from call to call", comm=comm)
     same_on_all_ranks(comm, out)
     err = np.abs(out.astype(np.float64) - exact_sum(xs))
-    everywhere(comm, (err <= bound + sum_slack(xs)).all(), "error within the per-value bound")
+    everywhere((err <= bound + sum_slack(xs)).all(), "error within the per-value bound", comm=comm)
 
 
 def test_relative_l2_error_does_not_grow_with_ranks():
@@ -93,7 +89,7 @@ def test_relative_l2_error_does_not_grow_with_ranks():
     # 4 / 5 / 8 ranks (2^20 values: docs/results/two-shot-error.txt; the
     # ring 0.85% .. 1.47%).  Two quantizations at most, so it stays below
     # 0.98% (the simulation's value with the owner's share quantized too)
-    everywhere(WORLD, rel <= (0.0 if P == 1 else 0.0105),
+    everywhere(rel <= (0.0 if P == 1 else 0.0105),
                f"relative L2 error {rel:.4%} <= 1.05% at {P} ranks")
 
 
@@ -107,7 +103,7 @@ def test_in_place_equals_out_of_place(dtype):
         qc.Allreduce(MPI.IN_PLACE, a)
         b = x.copy()
         qc.Allreduce(b, b)
-    everywhere(WORLD, a.tobytes() == out.tobytes() and b.tobytes() == out.tobytes(),
+    everywhere(a.tobytes() == out.tobytes() and b.tobytes() == out.tobytes(),
                "in place equals out of place")
 
 
@@ -119,7 +115,7 @@ def test_pieces_do_not_change_result(opts):
     xs = inputs(P, 70001, np.float32, seed=3)
     with QuantizedComm(WORLD, **TS, **opts) as qc:
         got = qc.allreduce(xs[r])
-    everywhere(WORLD, got.tobytes() == two_shot_allreduce(xs, 256).tobytes(),
+    everywhere(got.tobytes() == two_shot_allreduce(xs, 256).tobytes(),
                f"{opts} equals the simulation")
 
 
@@ -128,7 +124,7 @@ def test_block_sizes(block):
     xs = inputs(WORLD.Get_size(), 30000, np.float64, seed=block)
     with QuantizedComm(WORLD, block_size=block, **TS) as qc:
         got = qc.allreduce(xs[WORLD.Get_rank()])
-    everywhere(WORLD, got.tobytes() == two_shot_allreduce(xs, block).tobytes(),
+    everywhere(got.tobytes() == two_shot_allreduce(xs, block).tobytes(),
                f"block {block} equals the simulation")
 
 
@@ -140,11 +136,11 @@ def test_max_min_when_asked_never_cross(op, dtype):
     with QuantizedComm(WORLD, lossy_ops=("sum", op), **TS) as qc:
         got = qc.allreduce(xs[r], OPS[op])
     ref, bound, _ = two_shot_allreduce(xs, 256, op=op, with_bound=True)
-    everywhere(WORLD, got.tobytes() == ref.tobytes(), f"{op} equals the simulation")
+    everywhere(got.tobytes() == ref.tobytes(), f"{op} equals the simulation")
     exact = getattr(np, op)([x.astype(np.float64) for x in xs], axis=0)
     g = got.astype(np.float64)
-    everywhere(WORLD, (np.abs(g - exact) <= bound).all(), f"{op} within its bound")
-    everywhere(WORLD, (g >= exact).all() if op == "max" else (g <= exact).all(),
+    everywhere((np.abs(g - exact) <= bound).all(), f"{op} within its bound")
+    everywhere((g >= exact).all() if op == "max" else (g <= exact).all(),
                f"quantized {op} never {'below' if op == 'max' else 'above'} the true {op}")
 
 
@@ -182,13 +178,13 @@ def test_nonfinite_blocks_equal_mpi(op, dtype):
     # depend on the count)
     want = mpi("Allreduce", xs[r][flagged], op)
     bad = [~np.isfinite(x.astype(np.float64)) for x in xs]
-    everywhere(WORLD, P == 1 or all(flagged[b].all() for b in bad),
+    everywhere(P == 1 or all(flagged[b].all() for b in bad),
                "every block holding Inf/NaN is flagged")
-    everywhere(WORLD, out[flagged].tobytes() == want.tobytes(),
+    everywhere(out[flagged].tobytes() == want.tobytes(),
                "flagged blocks equal MPI's Allreduce bit for bit")
-    everywhere(WORLD, out[~flagged].tobytes() == ref[~flagged].tobytes(),
+    everywhere(out[~flagged].tobytes() == ref[~flagged].tobytes(),
                "the others equal the simulation")
-    everywhere(WORLD, exact_values == (flagged.sum() if P > 1 else 0),
+    everywhere(exact_values == (flagged.sum() if P > 1 else 0),
                "last_call counts the values reduced exactly")
     same_on_all_ranks(WORLD, out)
 
@@ -208,12 +204,12 @@ def test_reduce_scatter_block(dtype, in_place):
             got = np.empty(m, dtype)
             qc.Reduce_scatter_block(xs[r], got)
         method = qc.last_call.method
-    everywhere(WORLD, method == ("two_shot" if P > 1 else "copy"), "took the two-shot")
+    everywhere(method == ("two_shot" if P > 1 else "copy"), "took the two-shot")
     ref, bound, _ = two_shot_allreduce(xs, 256, with_bound=True, kind="reduce_scatter")
     mine = slice(r * m, (r + 1) * m)
-    everywhere(WORLD, got.tobytes() == ref[mine].tobytes(), "equal to the simulation")
+    everywhere(got.tobytes() == ref[mine].tobytes(), "equal to the simulation")
     err = np.abs(got.astype(np.float64) - exact_sum(xs)[mine])
-    everywhere(WORLD, (err <= bound[mine] + sum_slack(xs)[mine]).all(), "within the bound")
+    everywhere((err <= bound[mine] + sum_slack(xs)[mine]).all(), "within the bound")
 
 
 def test_allgather_reuses_the_ring():
@@ -223,7 +219,7 @@ def test_allgather_reuses_the_ring():
         out = np.empty(P * 999, np.float32)
         qc.Allgather(segs[r], out)
     want = allgather(segs, 256) if P > 1 else segs[0]
-    everywhere(WORLD, out.tobytes() == want.tobytes(), "each value quantized once by its owner")
+    everywhere(out.tobytes() == want.tobytes(), "each value quantized once by its owner")
     same_on_all_ranks(WORLD, out)
 
 
@@ -237,12 +233,12 @@ def test_uncompressed_wires(dtype, wire):
         rs = np.empty(10001 // P if P > 1 else 10001, dtype)
         qc.Reduce_scatter_block(xs[r][:rs.size * P], rs)
     ref, bound, _ = two_shot_allreduce(xs, 256, with_bound=True, wire=wire)
-    everywhere(WORLD, got.tobytes() == ref.tobytes(), f"{wire} wire equals the simulation")
+    everywhere(got.tobytes() == ref.tobytes(), f"{wire} wire equals the simulation")
     err = np.abs(got.astype(np.float64) - exact_sum(xs))
-    everywhere(WORLD, (err <= bound + sum_slack(xs)).all(), "within the bound")
+    everywhere((err <= bound + sum_slack(xs)).all(), "within the bound")
     cut = [x[:rs.size * P] for x in xs]
     ref = two_shot_allreduce(cut, 256, kind="reduce_scatter", wire=wire)
-    everywhere(WORLD, rs.tobytes() == ref[r * rs.size:(r + 1) * rs.size].tobytes(),
+    everywhere(rs.tobytes() == ref[r * rs.size:(r + 1) * rs.size].tobytes(),
                f"{wire} Reduce_scatter_block equals the simulation")
 
 
