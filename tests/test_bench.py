@@ -84,7 +84,7 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
         assert r["time_us"]["min"] <= r["time_us"]["avg"] <= r["time_us"]["max"]
         # below 4 MiB the library defaults take exact MPI; the ablations never do
         want = {"mpi": "exact", "int8": "exact", "int8-nocheck": "exact", "bf16": "ring/bf16",
-                "fp32": "ring/fp32"}.get(r["method"], "ring/int8")
+                "fp32": "ring/fp32", "int8-2shot": "two_shot/int8"}.get(r["method"], "ring/int8")
         assert r["path"] == want, r
     assert [(c[3], c[4]) for c in table(stdout)] == [(r["method"], r["path"]) for r in rows]
 
