@@ -237,45 +237,51 @@ def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
     """scratch[:m] = the rank-order reduction of block b of every input;
     returns its largest magnitude bits, or those of Inf (scratch then
     unusable) when an input block is flagged or own holds Inf or NaN (a MAX
-    or MIN could otherwise drop an infinity: the block must stay flagged)."""
+    or MIN could otherwise drop an infinity: the block must stay flagged;
+    a SUM keeps them)."""
     inf_u = abs_bits(as_acc(scratch, np.inf))
-    for t in range(heads.shape[0]):
+    last = heads.shape[0]
+    for t in range(last):
         if not abs(heads[t, b]) < np.inf:
             return inf_u
-    omx = abs_bits(as_acc(scratch, 0))
-    for t in range(heads.shape[0] + 1):
+    mx = abs_bits(as_acc(scratch, 0))
+    if op != OP_SUM:
+        for j in range(m):
+            mx = max(mx, abs_bits(load(own, _U(lo + j))))
+        if mx >= inf_u:
+            return inf_u
+    for t in range(last + 1):
         if t == pos:
             if t == 0:
                 for j in range(m):
-                    v = load(own, _U(lo + j))
-                    scratch[j] = v
-                    omx = max(omx, abs_bits(v))
+                    scratch[j] = load(own, _U(lo + j))
             elif op == OP_SUM:
                 for j in range(m):
-                    v = load(own, _U(lo + j))
-                    scratch[j] = scratch[j] + v
-                    omx = max(omx, abs_bits(v))
+                    scratch[j] = scratch[j] + load(own, _U(lo + j))
             else:
                 for j in range(m):
-                    v = load(own, _U(lo + j))
-                    scratch[j] = reduce2(op, scratch[j], v)
-                    omx = max(omx, abs_bits(v))
+                    scratch[j] = reduce2(op, scratch[j], load(own, _U(lo + j)))
             continue
-        row = t if t < pos else t - 1
+        row = t if t < pos else t - 1     # 2-D indexing: a row slice per block costs refcounts
         a = heads[row, b]
-        c = codes[row]
         at = h + lo
         if t == 0:
             for j in range(m):
-                scratch[j] = (as_acc(scratch, c[_U(at + j)]) * k) * a
+                scratch[j] = (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
+        elif op == OP_SUM and t == last:     # the common last input: its maximum on the way
+            mx = abs_bits(as_acc(scratch, 0))
+            for j in range(m):
+                v = scratch[j] + (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
+                scratch[j] = v
+                mx = max(mx, abs_bits(v))
+            return mx
         elif op == OP_SUM:
             for j in range(m):
-                scratch[j] = scratch[j] + (as_acc(scratch, c[_U(at + j)]) * k) * a
+                scratch[j] = scratch[j] + (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
         else:
             for j in range(m):
-                scratch[j] = reduce2(op, scratch[j], (as_acc(scratch, c[_U(at + j)]) * k) * a)
-    if omx >= inf_u:
-        return inf_u
+                v = (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
+                scratch[j] = reduce2(op, scratch[j], v)
     mx = abs_bits(as_acc(scratch, 0))
     for j in range(m):
         mx = max(mx, abs_bits(scratch[j]))

@@ -97,16 +97,16 @@ def _reduce_many(own, pos, wires, lo, m, op, scratch):
                 for j in range(m):
                     scratch[j] = reduce2(op, scratch[j], load(own, _U(lo + j)))
             continue
-        w = wires[t if t < pos else t - 1]
+        row = t if t < pos else t - 1
         if t == 0:
             for j in range(m):
-                scratch[j] = load(w, _U(lo + j))
+                scratch[j] = load(wires, (row, _U(lo + j)))
         elif op == OP_SUM:
             for j in range(m):
-                scratch[j] = scratch[j] + load(w, _U(lo + j))
+                scratch[j] = scratch[j] + load(wires, (row, _U(lo + j)))
         else:
             for j in range(m):
-                scratch[j] = reduce2(op, scratch[j], load(w, _U(lo + j)))
+                scratch[j] = reduce2(op, scratch[j], load(wires, (row, _U(lo + j))))
     mx = abs_bits(as_acc(scratch, 0))
     for j in range(m):
         mx = max(mx, abs_bits(scratch[j]))
