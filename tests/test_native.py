@@ -1,20 +1,27 @@
-"""The C reference (native/) and the numba kernels agree bit for bit.
+"""The C reference (native/) and the numba kernels agree bit for bit, with
+the C built for this CPU and for plain AVX2, and numba compiled for this CPU
+and (in a child process) for plain AVX2.
 
 Serial: python -m pytest tests/test_native.py   (builds native/ with make)
 """
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from equarx_mpi import kernels as K
-from equarx_mpi.kernelbench import Native
+from equarx_mpi.kernelbench import ISAS, Native
 
 F32 = np.finfo(np.float32)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def native():
+@pytest.fixture(scope="module", params=sorted(ISAS))
+def native(request):
     # Builds the library if needed; a failed build fails the tests, never skips.
-    return Native(build=True)
+    return Native.for_isa(request.param, build=True)
 
 
 def cases(rng):
@@ -115,3 +122,13 @@ def test_copy(native):
     y = np.empty_like(x)
     native.copy(x, y)
     np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def test_numba_for_avx2_agrees():
+    """The tests above in a process whose numba compiles for a haswell CPU
+    (other vector instructions: conversions, packing, maxima)."""
+    env = {**os.environ, **ISAS["avx2"][2]}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.abspath(__file__), "-k", "c_and_numba_agree and avx2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout + r.stderr

@@ -1,9 +1,49 @@
 """Numba kernels: pure functions on contiguous 1-D arrays, nothing else.
 ``common`` holds the element helpers, each wire format its own module."""
-from .common import (OP_MAX, OP_MIN, OP_SUM, ROUND_DOWN, ROUND_NEAREST,  # noqa: F401
+import hashlib
+import os
+
+
+def _drop_stale_cache():
+    """numba's on-disk cache checks only the file that defines a kernel, not
+    the helpers it inlines from common.py: after any kernel source changes,
+    drop this package's cached kernels so none is stale.  Ranks racing here
+    at worst recompile."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    cache = os.path.join(here, "__pycache__")
+    digest = hashlib.sha1()
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(name.encode() + f.read())
+    stamp = os.path.join(cache, "kernels.stamp")
+    try:
+        with open(stamp) as f:
+            if f.read() == digest.hexdigest():
+                return
+    except OSError:
+        pass
+    try:
+        for name in os.listdir(cache):
+            if name.endswith((".nbi", ".nbc")):
+                try:
+                    os.remove(os.path.join(cache, name))
+                except OSError:
+                    pass
+        tmp = f"{stamp}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(digest.hexdigest())
+        os.replace(tmp, stamp)
+    except OSError:             # no cache folder yet, or a read-only install
+        pass
+
+
+_drop_stale_cache()
+
+from .common import (OP_MAX, OP_MIN, OP_SUM, ROUND_DOWN, ROUND_NEAREST,  # noqa: E402,F401
                      ROUND_UP)
-from .int8 import (i8_decode, i8_decode_reduce, i8_decode_reduce_encode,  # noqa: F401
+from .int8 import (i8_decode, i8_decode_reduce, i8_decode_reduce_encode,  # noqa: E402,F401
                    i8_decode_reduce_encode_many, i8_decode_reduce_many, i8_encode)
-from .plain import (plain_decode, plain_decode_reduce,  # noqa: F401
+from .plain import (plain_decode, plain_decode_reduce,  # noqa: E402,F401
                     plain_decode_reduce_encode, plain_decode_reduce_encode_many,
                     plain_decode_reduce_many, plain_encode)

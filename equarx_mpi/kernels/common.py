@@ -20,6 +20,29 @@ OP_SUM, OP_MAX, OP_MIN = 0, 1, 2
 #: a decoded value is never below (UP) or above (DOWN) the value encoded.
 ROUND_NEAREST, ROUND_UP, ROUND_DOWN = 0, 1, 2
 CACHE = dict(cache=True, nogil=True)
+#: For the kernels that allocate nothing: without numba's reference counting
+#: (NRT), an array handed to an inlined helper costs no atomic incref/decref
+#: calls, which LLVM cannot remove and which cost as much as a small block.
+#: Such a kernel must not create arrays (views of its arguments are fine).
+KERNEL = dict(CACHE, _nrt=False)
+
+
+@intrinsic
+def wide_vectors(typingctx):
+    """Called first in a kernel: LLVM may vectorize it with the widest
+    registers the CPU has.  LLVM's tuning for recent Xeons prefers 256 bits
+    even where 512-bit registers exist (gcc -march=native does not); the
+    function attribute "prefer-vector-width"="512" lifts that for this
+    function only.  A CPU without AVX-512 keeps its widest (256 bits)."""
+    def codegen(context, builder, sig, args):
+        # llvmlite's attribute set (a set) admits only enum attributes by
+        # name; a string attribute is printed as given, so add it past the
+        # check.  Only a hint: should llvmlite change, the kernel stays right.
+        attrs = builder.function.attributes
+        if isinstance(attrs, set):
+            set.add(attrs, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+    return types.none(), codegen
 
 
 # --- bit casts --------------------------------------------------------------
@@ -81,18 +104,20 @@ def f16_to_f32(h):
 @njit(**CACHE)
 def f32_to_f16(f):
     # Round to nearest even; after F. Giesen's float_to_half_fast3_rtne.
+    # Branch-free (all three cases computed, then selected; uint32 kept
+    # explicitly, numba widens integer arithmetic), so that loops storing
+    # float16 vectorize.
     u = f32_as_u32(f)
     sign = u & np.uint32(0x80000000)
-    u = u ^ sign
-    if u >= np.uint32((127 + 16) << 23):      # overflow, Inf or NaN
-        o = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
-    elif u < np.uint32(113 << 23):            # subnormal or zero result
-        magic = u32_as_f32(np.uint32(((127 - 15) + (23 - 10) + 1) << 23))
-        o = f32_as_u32(u32_as_f32(u) + magic) - f32_as_u32(magic)
-    else:
-        odd = (u >> np.uint32(13)) & np.uint32(1)
-        u = u + np.uint32(((15 - 127) << 23) + 0xFFF) + odd
-        o = u >> np.uint32(13)
+    u = np.uint32(u ^ sign)
+    big = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    magic = u32_as_f32(np.uint32(((127 - 15) + (23 - 10) + 1) << 23))
+    small = np.uint32(f32_as_u32(u32_as_f32(u) + magic) - f32_as_u32(magic))
+    odd = (u >> np.uint32(13)) & np.uint32(1)
+    normal = np.uint32(np.uint32(u + np.uint32(((15 - 127) << 23) + 0xFFF) + odd)
+                       >> np.uint32(13))
+    o = big if u >= np.uint32((127 + 16) << 23) else (
+        small if u < np.uint32(113 << 23) else normal)
     return np.int16(np.uint16(o | (sign >> np.uint32(16))))
 
 

@@ -25,16 +25,20 @@ whose largest magnitude rounds to Inf there (common.out_limit).
 
 Directed rounding (ROUND_UP / ROUND_DOWN, for MAX / MIN) takes the ceiling
 or floor and then checks the decoded value, so x' >= x (or <= x) always.
-Inner loops index with uint64 (numba then skips negative-index wraparound,
-which would turn vector loads into gathers) and call no helper that
-returns a tuple (LLVM does not vectorize through those).
+Speed (docs/results/kernels-*.txt): inner loops index with uint64 (numba
+then skips negative-index wraparound, which would turn vector loads into
+gathers); the per-block helpers are inlined in numba's IR (inline='always'),
+and the kernels run without reference counting (common.KERNEL) and with the
+CPU's widest vectors (common.wide_vectors), so a block costs no call and no
+atomic refcount update.  Kernels that call these helpers should do the same.
 """
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .common import (CACHE, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, as_acc,
-                     from_abs_bits, load, out_limit, reduce2, sign_code, store)
+from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, as_acc,
+                     from_abs_bits, load, out_limit, reduce2, sign_code, store,
+                     wide_vectors)
 
 LEVELS = 127
 _U = np.uint64
@@ -58,7 +62,7 @@ def block_values(src, lo, m, scratch):
     copy in scratch."""
 
 
-@overload(block_values, jit_options=CACHE)
+@overload(block_values, jit_options=CACHE, inline='always')
 def _block_values(src, lo, m, scratch):
     if src.dtype == types.float32 or src.dtype == types.float64:
         def direct(src, lo, m, scratch):
@@ -78,7 +82,7 @@ def _block_values(src, lo, m, scratch):
     return converted
 
 
-@njit(**CACHE)
+@njit(inline='always', **CACHE)
 def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
     """Quantize vals[off:off+m] (accumulation type; largest magnitude bits
     max_u) into header[b] and codes[lo:lo+m]."""
@@ -113,29 +117,34 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
             codes[_U(lo + j)] = np.int8(np.rint((vals[_U(off + j)] * lift) * r))
 
 
-@njit(**CACHE)
+@njit(inline='always', **CACHE)
 def _directed(vals, off, m, lift, r, a, k, levels, codes, lo, up):
     """Ceiling (up) or floor codes, corrected so the decoded value never
     falls below (above) the value: the roundings of r and of the decode can
     otherwise cross it.  Code +-127 decodes to +-a, so no correction leaves
-    the code range."""
-    for j in range(m):
-        x = vals[_U(off + j)]
-        q = (x * lift) * r
-        if up:
-            c = min(np.ceil(q), levels)
+    the code range.  One loop per direction, and the correction added in A
+    (an integer 1 would widen c to float64): both vectorize."""
+    one = as_acc(vals, 1)
+    if up:
+        for j in range(m):
+            x = vals[_U(off + j)]
+            c = min(np.ceil((x * lift) * r), levels)
             if (c * k) * a < x:
-                c += 1
-        else:
-            c = max(np.floor(q), -levels)
+                c += one
+            codes[_U(lo + j)] = np.int8(c)
+    else:
+        for j in range(m):
+            x = vals[_U(off + j)]
+            c = max(np.floor((x * lift) * r), -levels)
             if (c * k) * a > x:
-                c -= 1
-        codes[_U(lo + j)] = np.int8(c)
+                c -= one
+            codes[_U(lo + j)] = np.int8(c)
 
 
-@njit(**CACHE)
+@njit(**KERNEL)
 def i8_encode(src, header, codes, block, scratch, rmode):
     """(header, codes) = Q(src)."""
+    wide_vectors()
     n = src.size
     for b in range((n + block - 1) // block):
         lo = b * block
@@ -144,10 +153,11 @@ def i8_encode(src, header, codes, block, scratch, rmode):
         emit(vals, off, m, max_u, header, b, codes, lo, rmode)
 
 
-@njit(**CACHE)
+@njit(**KERNEL)
 def i8_decode(header, codes, out, block, skipped):
     """out = D(header, codes); flagged blocks are skipped.  Returns their
     number; their indices are in skipped[:number]."""
+    wide_vectors()
     n = out.size
     k = as_acc(header, 1) / as_acc(header, LEVELS)
     limit = out_limit(out)
@@ -166,7 +176,7 @@ def i8_decode(header, codes, out, block, skipped):
     return flagged
 
 
-@njit(**CACHE)
+@njit(inline='always', **CACHE)
 def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
     """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
     magnitude bits (those of Inf for a flagged block, scratch unset)."""
@@ -189,12 +199,13 @@ def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
     return mx
 
 
-@njit(**CACHE)
+@njit(**KERNEL)
 def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     """out = own (op) D(header, codes), at full precision; blocks whose
     input is flagged or whose result does not fit out are skipped (out may
     be own, and stays the input there).  Returns their number; their
     indices are in skipped[:number]."""
+    wide_vectors()
     n = own.size
     k = as_acc(header, 1) / as_acc(header, LEVELS)
     limit_u = abs_bits(out_limit(out))
@@ -211,11 +222,12 @@ def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     return flagged
 
 
-@njit(**CACHE)
+@njit(**KERNEL)
 def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
     """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop, one
     pass per block; in place allowed (a block is read whole into scratch
     before it is written)."""
+    wide_vectors()
     n = own.size
     k = as_acc(h_in, 1) / as_acc(h_in, LEVELS)
     for b in range((n + block - 1) // block):
@@ -232,7 +244,7 @@ def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, r
 # the owner's rank: inputs are reduced in rank order 0..P-1, the owner's own
 # raw values ``own`` in place ``pos`` and row t (t - 1 past pos) for the others.
 
-@njit(**CACHE)
+@njit(inline='always', **CACHE)
 def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
     """scratch[:m] = the rank-order reduction of block b of every input;
     returns its largest magnitude bits, or those of Inf (scratch then
@@ -262,7 +274,7 @@ def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
                 for j in range(m):
                     scratch[j] = reduce2(op, scratch[j], load(own, _U(lo + j)))
             continue
-        row = t if t < pos else t - 1     # 2-D indexing: a row slice per block costs refcounts
+        row = t if t < pos else t - 1
         a = heads[row, b]
         at = h + lo
         if t == 0:
@@ -288,11 +300,12 @@ def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
     return mx
 
 
-@njit(**CACHE)
+@njit(**KERNEL)
 def i8_decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block, op,
                                  scratch, rmode):
     """(h_out, c_out) = Q(rank-order reduction of own and the messages),
     one pass per block; a block flagged in any input ends flagged."""
+    wide_vectors()
     n = own.size
     k = as_acc(h_out, 1) / as_acc(h_out, LEVELS)
     for b in range((n + block - 1) // block):
@@ -302,12 +315,13 @@ def i8_decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block,
         emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)
 
 
-@njit(**CACHE)
+@njit(**KERNEL)
 def i8_decode_reduce_many(own, pos, heads, codes, h, out, block, op, scratch, skipped):
     """out = rank-order reduction of own and the messages, at full
     precision; blocks flagged in any input, holding Inf/NaN in own, or
     whose result does not fit out are skipped (left untouched).  Returns
     their number; their indices are in skipped[:number]."""
+    wide_vectors()
     n = own.size
     k = as_acc(scratch, 1) / as_acc(scratch, LEVELS)
     limit_u = abs_bits(out_limit(out))
