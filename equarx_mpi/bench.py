@@ -40,6 +40,13 @@ METHODS = {
                    dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0)),
     "int8-nocheck": ("EQuARX int8 ring, defaults, without the per-call argument agreement",
                      dict(wire="int8", check=False)),
+    "int4": ("int4 ring (block 64, its default) at every size",
+             dict(wire="int4", block_size=64, min_quantized_bytes=0)),
+    "fp8": ("fp8 (e4m3) ring at every size", dict(wire="fp8", min_quantized_bytes=0)),
+    "int8-aff": ("int8-affine ring (levels between block min and max) at every size",
+                 dict(wire="int8-affine", min_quantized_bytes=0)),
+    "int4-aff": ("int4-affine ring (block 128, its default) at every size",
+                 dict(wire="int4-affine", block_size=128, min_quantized_bytes=0)),
 }
 DEFAULT_METHODS = "mpi,bf16,fp32,int8,int8-c1"
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16,

@@ -47,13 +47,18 @@ class QuantizedComm:
 
     Options (keywords; each also settable as EQUARX_MPI_<NAME>, see options.py):
 
-    wire: "int8" (dynamic block-wise int8, the product), or the uncompressed
-        baselines "bf16" (bfloat16; float16 input travels as float16) and
-        "fp32".  ``bits=8/16/32`` is the older spelling.
-    block_size: values per int8 block, a power of two from 32 to 4096.
+    wire: "int8" (dynamic block-wise int8, the product); "int4" (half the
+        bytes, about 15x the error), "fp8" (e4m3 codes), "int8-affine" and
+        "int4-affine" (codes between each block's minimum and maximum, for
+        data with an offset; docs/FORMAT.md); or the uncompressed baselines
+        "bf16" (bfloat16; float16 input travels as float16) and "fp32".
+        ``bits=4/8/16/32`` is the older spelling.
+    block_size: values per block, a power of two from 32 to 4096; None (the
+        default): the wire's own, 256 (int4 64, int4-affine 128).
     algorithm: "ring" (pipelined reduce-scatter + all-gather, a value is
         quantized P times) or "two_shot" (every shard sent to its owner,
-        reduced there at full precision and all-gathered: twice at most).
+        reduced there at full precision and all-gathered: twice at most;
+        wires int8, bf16 and fp32).
     chunks: pieces per shard for pipelining; None: one piece when all ranks
         share a node, else about 256 KiB of input per piece (at most 8).
     min_quantized_bytes: messages smaller than this (bytes per rank; for the

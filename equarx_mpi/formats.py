@@ -27,9 +27,21 @@ import numpy as np
 
 from . import kernels as K
 
-WIRES = ("int8", "bf16", "fp32")
+WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine")
 #: the legacy ``bits=`` option
-BITS_TO_WIRE = {8: "int8", 16: "bf16", 32: "fp32"}
+BITS_TO_WIRE = {4: "int4", 8: "int8", 16: "bf16", 32: "fp32"}
+#: wires whose codes can round up or down (MAX / MIN with ``lossy_ops``)
+DIRECTED_WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine")
+#: wires with many-input reductions (decode_reduce_many...): algorithm="two_shot"
+MANY_INPUT_WIRES = ("int8", "bf16", "fp32")
+#: block_size when none is given: 256, except for the int4 wires, where a
+#: smaller block buys less error for few bytes (headers 1/8 of the codes:
+#: 0.5625 bytes per value); measured in docs/FORMAT.md "int4 blocks"
+DEFAULT_BLOCK = {"int4": 64, "int4-affine": 128}
+
+
+def default_block(wire):
+    return DEFAULT_BLOCK.get(wire, 256)
 
 
 def pad8(n):
@@ -42,7 +54,12 @@ def acc_dtype(kdtype):
 
 
 class _Format:
+    #: codes two per byte: blocks must then start on a byte
+    nibbles = False
+
     def __init__(self, block, kdtype):
+        if self.nibbles and block % 2:
+            raise ValueError(f"{self.name} packs two codes per byte: block {block} must be even")
         self.block = block
         self.scratch = np.empty(block, acc_dtype(kdtype))
         self._skipped = np.empty(0, np.int64)
@@ -105,6 +122,115 @@ class Int8Block(_Format):
 
 
 
+class Int4Block(_Format):
+    """Symmetric int4, two codes per byte: per block its largest magnitude
+    in the accumulation type, then the codes (kernels/int4.py)."""
+    name = "int4"
+    nibbles = True
+
+    def __init__(self, block, kdtype):
+        super().__init__(block, kdtype)
+        self.head = acc_dtype(kdtype)
+
+    def nbytes(self, n):
+        return pad8(self.head.itemsize * -(-n // self.block) + (n + 1) // 2)
+
+    def views(self, buf, n):
+        h = self.head.itemsize * -(-n // self.block)
+        return buf[:h].view(self.head), buf[h:h + (n + 1) // 2].view(np.int8)
+
+    def encode(self, src, w, rmode):
+        K.i4_encode(src, w[0], w[1], self.block, self.scratch, rmode)
+
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.i4_decode(w[0], w[1], out, self.block, skipped)]
+
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.i4_decode_reduce(own, w[0], w[1], out, self.block, op,
+                                           self.scratch, skipped)]
+
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.i4_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
+                                  self.scratch, rmode)
+
+
+class Fp8Block(_Format):
+    """e4m3 codes scaled per block so its largest magnitude maps to 448:
+    per block that magnitude in the accumulation type, then one code byte
+    per value (kernels/fp8.py)."""
+    name = "fp8"
+
+    def __init__(self, block, kdtype):
+        super().__init__(block, kdtype)
+        self.head = acc_dtype(kdtype)
+
+    def nbytes(self, n):
+        return pad8(self.head.itemsize * -(-n // self.block) + n)
+
+    def views(self, buf, n):
+        h = self.head.itemsize * -(-n // self.block)
+        return buf[:h].view(self.head), buf[h:h + n].view(np.uint8)
+
+    def encode(self, src, w, rmode):
+        K.f8_encode(src, w[0], w[1], self.block, self.scratch, rmode)
+
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.f8_decode(w[0], w[1], out, self.block, skipped)]
+
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.f8_decode_reduce(own, w[0], w[1], out, self.block, op,
+                                           self.scratch, skipped)]
+
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.f8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
+                                  self.scratch, rmode)
+
+
+class AffineBlock(_Format):
+    """Unsigned levels between each block's minimum and maximum, for data
+    with an offset: per block (lo, hi) in the accumulation type, then one
+    code per byte ("int8-affine", 255 levels) or two ("int4-affine", 15)
+    (kernels/affine.py)."""
+
+    def __init__(self, name, block, kdtype):
+        self.name = name
+        self.nibbles = name == "int4-affine"
+        super().__init__(block, kdtype)
+        self.levels = 15 if self.nibbles else 255
+        self.head = acc_dtype(kdtype)
+        self.scratch = np.empty(2 * block, self.head)     # values and their codes
+
+    def _code_bytes(self, n):
+        return (n + 1) // 2 if self.nibbles else n
+
+    def nbytes(self, n):
+        return pad8(2 * self.head.itemsize * -(-n // self.block) + self._code_bytes(n))
+
+    def views(self, buf, n):
+        h = 2 * self.head.itemsize * -(-n // self.block)
+        return buf[:h].view(self.head), buf[h:h + self._code_bytes(n)]
+
+    def encode(self, src, w, rmode):
+        K.af_encode(src, w[0], w[1], self.block, self.levels, self.scratch, rmode)
+
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.af_decode(w[0], w[1], out, self.block, self.levels, skipped)]
+
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.af_decode_reduce(own, w[0], w[1], out, self.block, self.levels, op,
+                                           self.scratch, skipped)]
+
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.af_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, self.levels,
+                                  op, self.scratch, rmode)
+
+
 class Plain(_Format):
     """Uncompressed values on the wire: the baselines the paper compares
     against.  "bf16" carries bfloat16, except for float16 input, which
@@ -160,6 +286,12 @@ def make_format(wire, block, kdtype):
         return Int8Block(block, kdtype)
     if wire in ("bf16", "fp32"):
         return Plain(wire, block, kdtype)
+    if wire == "int4":
+        return Int4Block(block, kdtype)
+    if wire == "fp8":
+        return Fp8Block(block, kdtype)
+    if wire in ("int8-affine", "int4-affine"):
+        return AffineBlock(wire, block, kdtype)
     raise ValueError(f"wire must be one of {WIRES}, not {wire!r}")
 
 

@@ -22,7 +22,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 DEFAULTS = dict(
     wire="int8",
-    block_size=256,
+    block_size=None,        # the wire's own, formats.default_block: 256, int4 64, int4-affine 128
     algorithm="ring",
     chunks=None,
     min_quantized_bytes=None,
@@ -89,6 +89,8 @@ def resolve(given):
         given["wire"] = wire
     opts = dict(DEFAULTS, **_from_env())
     opts.update(given)
+    if opts["block_size"] is None and opts["wire"] in formats.WIRES:
+        opts["block_size"] = formats.default_block(opts["wire"])
     if isinstance(opts["lossy_ops"], str):
         opts["lossy_ops"] = (opts["lossy_ops"],)
     opts["lossy_ops"] = tuple(sorted(set(o.lower() if isinstance(o, str) else o
@@ -106,10 +108,16 @@ def check(o):
     if o["wire"] not in formats.WIRES:
         raise ValueError(f"wire must be one of {formats.WIRES}, not {o['wire']!r}")
     b = o["block_size"]
-    if not _is_int(b) or b < 32 or b > 4096 or b & (b - 1):
-        raise ValueError(f"block_size must be a power of two from 32 to 4096, not {b!r}")
+    if b is None:
+        b = formats.default_block(o["wire"])
+    elif not _is_int(b) or b < 32 or b > 4096 or b & (b - 1):
+        raise ValueError(f"block_size must be None or a power of two from 32 to 4096, "
+                         f"not {b!r}")
     if o["algorithm"] not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
+    if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES:
+        raise ValueError(f"algorithm='two_shot' takes the wires {formats.MANY_INPUT_WIRES}, "
+                         f"not {o['wire']!r}")
     c = o["chunks"]
     if c is not None and (not _is_int(c) or c < 1):
         raise ValueError(f"chunks must be None or an integer >= 1, not {c!r}")

@@ -8,6 +8,7 @@ every non-float dtype is exact.  Small messages take exact MPI too, below
 the measured crossover where quantizing stops paying."""
 import numpy as np
 
+from . import formats
 from . import kernels as K
 from .options import disabled
 from .validate import QUANTIZED_DTYPES
@@ -48,8 +49,9 @@ def choose(opts, what, opname, dtype, nbytes, P, one_node):
         if opname not in opts["lossy_ops"]:
             return False, (f"op {opname.upper()} is exact unless lossy_ops "
                            f"includes {opname!r}")
-        if opname != "sum" and opts["wire"] != "int8":
-            return False, f"{opname.upper()} travels quantized only on the int8 wire"
+        if opname != "sum" and opts["wire"] not in formats.DIRECTED_WIRES:
+            return False, (f"{opname.upper()} travels quantized only on the wires that round "
+                           f"up and down: {', '.join(formats.DIRECTED_WIRES)}")
     least = min_quantized_bytes(opts, one_node)
     if nbytes < least:
         return False, f"{nbytes} bytes is below min_quantized_bytes={least}"

@@ -108,10 +108,37 @@ def shard_edges(n, P, block):
 ROUNDING = {"sum": "nearest", "max": "up", "min": "down"}
 
 
-def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce"):
-    """What every rank of the int8 ring returns, for a list of per-rank
-    arrays: the same shards, order and requantization.  Blocks that end
-    flagged (Inf/NaN) are NaN here; the library reduces them exactly.
+class Int8Codec:
+    """The int8 format as a codec for ring_allreduce; other formats'
+    codecs (reference_formats.py) have the same four methods."""
+
+    @staticmethod
+    def quantize(v, block, rounding="nearest"):
+        return quantize(v, block, rounding)
+
+    @staticmethod
+    def dequantize(wire, block):
+        return dequantize(*wire, block)
+
+    @staticmethod
+    def bound(v, wire, block, rounding="nearest"):
+        """Per value, the bound on |v - dequantize(quantize(v))|."""
+        return step_bound(wire[0], block, v.size, rounding)
+
+    @staticmethod
+    def magnitude(wire, block, n):
+        """Per value, the largest magnitude its block decodes to."""
+        return np.repeat(wire[0], block)[:n]
+
+
+INT8 = Int8Codec()
+
+
+def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce", codec=INT8):
+    """What every rank of the ring returns, for a list of per-rank arrays
+    and a wire format (``codec``, int8 by default): the same shards, order
+    and requantization.  Blocks that end flagged (Inf/NaN) are NaN here;
+    the library reduces them exactly.
 
     kind "reduce_scatter": the P*m inputs are cut into P shards of m (no
     block balancing) and the last hop reduces at full precision instead of
@@ -138,22 +165,22 @@ def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce"):
         m = edges[s + 1] - edges[s]
         # shard s starts at rank s+1 and travels right, ending at rank s
         first = (s + 1) % P
-        wire = quantize(own[first][sl], block, rounding)
-        bound[sl] += step_bound(wire[0], block, m, rounding)
+        wire = codec.quantize(own[first][sl], block, rounding)
+        bound[sl] += codec.bound(own[first][sl], wire, block, rounding)
         for hop in range(1, P):
             r = (first + hop) % P
             with np.errstate(invalid="ignore", over="ignore"):
-                part = reduce(op, own[r][sl], dequantize(*wire, block))
+                part = reduce(op, own[r][sl], codec.dequantize(wire, block))
             if op == "sum":                         # rounding of the addition
                 bound[sl] += u * np.abs(part.astype(np.float64))
             if hop == P - 1 and kind == "reduce_scatter":
                 result[sl] = np.where(_over_limit(part, block, dtype), np.nan, part)
                 break
-            wire = quantize(part, block, rounding)
-            bound[sl] += step_bound(wire[0], block, m, rounding)
+            wire = codec.quantize(part, block, rounding)
+            bound[sl] += codec.bound(part, wire, block, rounding)
         else:
-            dec = dequantize(*wire, block)
-            heads = np.repeat(wire[0], block)[:m]
+            dec = codec.dequantize(wire, block)
+            heads = codec.magnitude(wire, block, m)
             result[sl] = np.where(_over_limit(heads, 1, dtype), np.nan, dec)
     flagged = np.isnan(result)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -185,13 +212,13 @@ def _half_tiny(dtype):
     return 2.0 ** -25 if np.dtype(dtype) == np.float16 else 2.0 ** -134
 
 
-def allgather(segments, block):
+def allgather(segments, block, codec=INT8):
     """What the quantized Allgather returns: each segment quantized once by
     its owner (blocks start at the segment's start)."""
     out = []
     for seg in segments:
-        h, c = quantize(to_acc(seg), block)
-        out.append(dequantize(h, c, block).astype(seg.dtype))
+        wire = codec.quantize(to_acc(seg), block)
+        out.append(codec.dequantize(wire, block).astype(seg.dtype))
     return np.concatenate(out)
 
 

@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from equarx_mpi import QuantizedComm
 
-from mpi_helpers import everywhere
+from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16, allgather, shard_edges, two_shot_allreduce
 from test_mpi_property import draw, make, mpi, run_library
 
@@ -303,3 +303,8 @@ def test_random_cases_against_exact_answers():
             q.free()
     failures = WORLD.bcast(failures)
     assert not failures, f"{len(failures)} failing cases, e.g. {failures[:3]}"
+
+
+def test_wire_without_many_input_kernels_is_refused_everywhere():
+    msg = raises_everywhere(ValueError, lambda: QuantizedComm(WORLD, wire="int4", **TS))
+    assert "two_shot" in msg and "int4" in msg

@@ -47,3 +47,9 @@ from .int8 import (i8_decode, i8_decode_reduce, i8_decode_reduce_encode,  # noqa
 from .plain import (plain_decode, plain_decode_reduce,  # noqa: E402,F401
                     plain_decode_reduce_encode, plain_decode_reduce_encode_many,
                     plain_decode_reduce_many, plain_encode)
+from .int4 import (i4_decode, i4_decode_reduce, i4_decode_reduce_encode,  # noqa: E402,F401
+                   i4_encode)
+from .fp8 import (f8_decode, f8_decode_reduce, f8_decode_reduce_encode,  # noqa: E402,F401
+                  f8_encode)
+from .affine import (af_decode, af_decode_reduce, af_decode_reduce_encode,  # noqa: E402,F401
+                     af_encode)

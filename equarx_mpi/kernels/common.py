@@ -276,3 +276,97 @@ def reduce2(op, a, b):
     if op == OP_MAX:
         return a if a >= b else b
     return a if a <= b else b
+
+
+# --- helpers of the int4, fp8 and affine formats ---------------------------------
+
+def wide_tiny_lift(like):
+    """(TINY, LIFT) in like's type for the int4, fp8 and affine formats: a
+    block scale L / a with a < TINY could overflow (L up to 448), so the
+    values and a are first multiplied by the power of two LIFT, which
+    changes no rounding."""
+
+
+@overload(wide_tiny_lift, jit_options=CACHE)
+def _wide_tiny_lift(like):
+    if like == types.float32:
+        return lambda like: (np.float32(2.0 ** -100), np.float32(2.0 ** 64))
+    if like == types.float64:
+        return lambda like: (np.float64(2.0 ** -1000), np.float64(2.0 ** 128))
+
+
+def acc_block(src, lo, m, scratch):
+    """(values, offset): src[lo:lo+m] in the accumulation type, as src
+    itself when it holds that type, else a converted copy in scratch."""
+
+
+@overload(acc_block, jit_options=CACHE, inline='always')
+def _acc_block(src, lo, m, scratch):
+    if src.dtype == types.float32 or src.dtype == types.float64:
+        return lambda src, lo, m, scratch: (src, lo)
+
+    def converted(src, lo, m, scratch):
+        for j in range(m):
+            scratch[j] = load(src, np.uint64(lo + j))
+        return scratch, 0
+    return converted
+
+
+@njit(inline='always', **CACHE)
+def abs_max(vals, off, m, like):
+    """The abs_bits of max |vals[off:off+m]| (NaN above Inf); ``like`` (an
+    array of the accumulation type) selects the type of the empty maximum."""
+    mx = abs_bits(as_acc(like, 0))
+    for j in range(m):
+        mx = max(mx, abs_bits(vals[np.uint64(off + j)]))
+    return mx
+
+
+def order_key(x):
+    """A signed integer of x's width whose order is IEEE totalOrder of x:
+    -NaN < -Inf < ... < -0.0 < +0.0 < ... < +Inf < +NaN (so block minima
+    and maxima keep the sign of zeros and see every NaN)."""
+
+
+@overload(order_key, jit_options=CACHE)
+def _order_key(x):
+    if x == types.float32:
+        def k32(x):
+            s = np.int32(f32_as_u32(x))
+            return np.int32(s ^ ((s >> np.int32(31)) & np.int32(0x7FFFFFFF)))
+        return k32
+    if x == types.float64:
+        def k64(x):
+            s = np.int64(f64_as_u64(x))
+            return s ^ ((s >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF))
+        return k64
+
+
+def from_order_key(k, like):
+    """Inverse of order_key; ``like`` (a value) only selects the type."""
+
+
+@overload(from_order_key, jit_options=CACHE)
+def _from_order_key(k, like):
+    if like == types.float32:
+        def f32(k, like):
+            s = np.int32(k)
+            return u32_as_f32(np.int32(s ^ ((s >> np.int32(31)) & np.int32(0x7FFFFFFF))))
+        return f32
+    if like == types.float64:
+        def f64(k, like):
+            s = np.int64(k)
+            return u64_as_f64(s ^ ((s >> np.int64(63)) & np.int64(0x7FFFFFFFFFFFFFFF)))
+        return f64
+
+
+def cast_like(like, v):
+    """v converted to the type of the float scalar ``like``."""
+
+
+@overload(cast_like, jit_options=CACHE)
+def _cast_like(like, v):
+    if like == types.float32:
+        return lambda like, v: np.float32(v)
+    if like == types.float64:
+        return lambda like, v: np.float64(v)

@@ -1,0 +1,207 @@
+"""int4 blocks (docs/FORMAT.md): int8's format with 7 levels, two codes per
+byte.  Per block of B values (B even; the last block of a piece may be
+short), in the accumulation type A:
+
+    header  a  = max |x|                     in A
+    code    c  = rint(x * r),  r = 7 / a     in [-7, 7], ties to even (r
+                                             rounded once, exponent unbounded)
+    decoded x' = (c * k) * a,  k = 1 / 7     (k rounded once to A)
+
+Code j of a piece sits in byte j // 2, the low nibble for even j, as a
+4-bit two's complement (-8 never occurs); an odd-length piece leaves the
+high nibble of its last byte 0.  fl(7 * k) == 1 in float32 and float64, so
+code +-7 decodes to exactly +-a: block extremes, constant blocks and 0/1
+masks come back exactly and |x'| <= a.  Zeros, flagged blocks, the 16-bit
+output limit and directed rounding work as in int8 (kernels/int8.py).
+"""
+import numpy as np
+from numba import njit
+
+from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max,
+                     acc_block, as_acc, from_abs_bits, load, out_limit, reduce2, sign_code,
+                     store, wide_tiny_lift, wide_vectors)
+
+LEVELS = 7
+_U = np.uint64
+
+
+@njit(inline='always', **CACHE)
+def _low(b):
+    """The signed code in the low nibble of byte b (int8)."""
+    return np.int8(b << 4) >> 4
+
+
+@njit(inline='always', **CACHE)
+def _pair(c0, c1):
+    return np.int8((np.int32(c0) & 15) | (np.int32(c1) << 4))
+
+
+@njit(inline='always', **CACHE)
+def _code(x, q, a, k, levels, rmode):
+    """The code of x (q = x scaled to code units): nearest, or ceiling /
+    floor corrected so the decoded value never falls below / above x (the
+    roundings of r and of the decode can cross it; code +-7 decodes to +-a,
+    so the correction never leaves [-7, 7]).  All in x's type: a plain 7
+    would promote float32 to float64."""
+    if rmode == ROUND_NEAREST:
+        return np.rint(q)
+    if rmode == ROUND_UP:
+        c = min(np.ceil(q), levels)
+        if (c * k) * a < x:
+            c += 1
+        return c
+    c = max(np.floor(q), -levels)
+    if (c * k) * a > x:
+        c -= 1
+    return c
+
+
+@njit(inline='always', **CACHE)
+def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
+    """Quantize vals[off:off+m] (accumulation type, largest magnitude bits
+    max_u) into header[b] and the nibbles of values lo..lo+m-1 (lo even)."""
+    zero = as_acc(header, 0)
+    at = _U(lo >> 1)
+    half = m >> 1
+    if max_u >= abs_bits(as_acc(header, np.inf)):
+        header[b] = np.inf                       # flagged: Inf or NaN inside
+        for j in range((m + 1) >> 1):
+            codes[at + _U(j)] = 0
+        return
+    if max_u == abs_bits(zero):                  # zeros keep their sign: -0.0 -> -1
+        for j in range(half):
+            codes[at + _U(j)] = _pair(sign_code(vals[_U(off + 2 * j)]),
+                                      sign_code(vals[_U(off + 2 * j + 1)]))
+        if m & 1:
+            codes[at + _U(half)] = _pair(sign_code(vals[_U(off + m - 1)]), 0)
+        header[b] = zero
+        return
+    a = from_abs_bits(max_u, zero)
+    tiny, lift = wide_tiny_lift(zero)
+    if not a < tiny:
+        lift = as_acc(header, 1)
+    levels = as_acc(header, LEVELS)
+    r = levels / (a * lift)
+    k = as_acc(header, 1) / levels
+    if rmode == ROUND_NEAREST:
+        for j in range(half):
+            codes[at + _U(j)] = _pair(np.rint((vals[_U(off + 2 * j)] * lift) * r),
+                                      np.rint((vals[_U(off + 2 * j + 1)] * lift) * r))
+    else:
+        for j in range(half):
+            x0, x1 = vals[_U(off + 2 * j)], vals[_U(off + 2 * j + 1)]
+            c0 = _code(x0, (x0 * lift) * r, a, k, levels, rmode)
+            c1 = _code(x1, (x1 * lift) * r, a, k, levels, rmode)
+            codes[at + _U(j)] = _pair(c0, c1)
+    if m & 1:
+        x0 = vals[_U(off + m - 1)]
+        codes[at + _U(half)] = _pair(_code(x0, (x0 * lift) * r, a, k, levels, rmode), 0)
+    header[b] = a
+
+
+@njit(**KERNEL)
+def i4_encode(src, header, codes, block, scratch, rmode):
+    """(header, codes) = Q(src)."""
+    wide_vectors()
+    n = src.size
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        vals, off = acc_block(src, lo, m, scratch)
+        emit(vals, off, m, abs_max(vals, off, m, header), header, b, codes, lo, rmode)
+
+
+@njit(**KERNEL)
+def i4_decode(header, codes, out, block, skipped):
+    """out = D(header, codes); flagged blocks (and blocks too large for
+    out's type) are skipped.  Returns their number; their indices are in
+    skipped[:number]."""
+    wide_vectors()
+    n = out.size
+    k = as_acc(header, 1) / as_acc(header, LEVELS)
+    limit = out_limit(out)
+    flagged = 0
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        a = header[b]
+        if not abs(a) < limit:
+            skipped[flagged] = b
+            flagged += 1
+            continue
+        at = _U(lo >> 1)
+        for j in range(m >> 1):
+            byte = codes[at + _U(j)]
+            store(out, _U(lo + 2 * j), (as_acc(header, _low(byte)) * k) * a)
+            store(out, _U(lo + 2 * j + 1), (as_acc(header, byte >> 4) * k) * a)
+        if m & 1:
+            store(out, _U(lo + m - 1), (as_acc(header, _low(codes[at + _U(m >> 1)])) * k) * a)
+    return flagged
+
+
+@njit(inline='always', **CACHE)
+def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
+    """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
+    magnitude bits (those of Inf for a flagged block, scratch unset).
+    Decodes into scratch first, then combines: two tight loops over a
+    block that stays in cache."""
+    a = header[b]
+    mx = abs_bits(as_acc(header, 0))
+    if not abs(a) < np.inf:
+        return abs_bits(as_acc(header, np.inf))
+    at = _U(lo >> 1)
+    for j in range(m >> 1):
+        byte = codes[at + _U(j)]
+        scratch[2 * j] = (as_acc(header, _low(byte)) * k) * a
+        scratch[2 * j + 1] = (as_acc(header, byte >> 4) * k) * a
+    if m & 1:
+        scratch[m - 1] = (as_acc(header, _low(codes[at + _U(m >> 1)])) * k) * a
+    if op == OP_SUM:
+        for j in range(m):
+            v = load(own, _U(lo + j)) + scratch[j]
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
+    else:
+        for j in range(m):
+            v = reduce2(op, load(own, _U(lo + j)), scratch[j])
+            scratch[j] = v
+            mx = max(mx, abs_bits(v))
+    return mx
+
+
+@njit(**KERNEL)
+def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
+    """out = own (op) D(header, codes), at full precision; blocks whose
+    input is flagged or whose result does not fit out are skipped (out may
+    be own, and stays the input there).  Returns their number; their
+    indices are in skipped[:number]."""
+    wide_vectors()
+    n = own.size
+    k = as_acc(header, 1) / as_acc(header, LEVELS)
+    limit_u = abs_bits(out_limit(out))
+    flagged = 0
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        if _reduce_block(own, header, codes, b, lo, m, op, k, scratch) >= limit_u:
+            skipped[flagged] = b
+            flagged += 1
+            continue
+        for j in range(m):
+            store(out, _U(lo + j), scratch[j])
+    return flagged
+
+
+@njit(**KERNEL)
+def i4_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
+    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
+    place allowed (a block is read whole into scratch before it is
+    written)."""
+    wide_vectors()
+    n = own.size
+    k = as_acc(h_in, 1) / as_acc(h_in, LEVELS)
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, k, scratch)
+        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)
