@@ -36,6 +36,8 @@ METHODS = {
                 dict(wire="int8", chunks=1, min_quantized_bytes=0)),
     "int8-raw": ("EQuARX int8 ring at every size (never exact MPI)",
                  dict(wire="int8", min_quantized_bytes=0)),
+    "int8-2shot": ("EQuARX int8 two-shot (owner reduces at full precision) at every size",
+                   dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0)),
     "int8-nocheck": ("EQuARX int8 ring, defaults, without the per-call argument agreement",
                      dict(wire="int8", check=False)),
     "int4": ("int4 ring (block 64, its default) at every size",

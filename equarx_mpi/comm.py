@@ -13,7 +13,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import exact, formats, options, policy, ring
+from . import exact, formats, options, policy, ring, two_shot
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
 from .nonblocking import Executor, PersistentRequest, PoliteRequest
@@ -117,7 +117,10 @@ class QuantizedComm:
         ``bits=4/8/16/32`` is the older spelling.
     block_size: values per block, a power of two from 32 to 4096; None (the
         default): the wire's own, 256 (int4 64, int4-affine 128).
-    algorithm: "ring" (pipelined reduce-scatter + all-gather).
+    algorithm: "ring" (pipelined reduce-scatter + all-gather, a value is
+        quantized P times) or "two_shot" (every shard sent to its owner,
+        reduced there at full precision and all-gathered: twice at most;
+        wires int8, bf16 and fp32).
     chunks: pieces per shard for pipelining; None: one piece when all ranks
         share a node, else about 256 KiB of input per piece (at most 8).
     min_quantized_bytes: messages smaller than this (bytes per rank; for the
@@ -359,10 +362,10 @@ class QuantizedComm:
             # One rank per node compiles into numba's on-disk cache first, so
             # ranks never write the same cache entries at once.
             if self._compile_first:
-                _warm(fmt, kdtype)
+                _warm(fmt, kdtype, self.algorithm)
             self._comm.Barrier()
             if not self._compile_first:
-                _warm(fmt, kdtype)
+                _warm(fmt, kdtype, self.algorithm)
             self._formats[kdtype.str] = fmt
         return fmt
 
@@ -380,23 +383,26 @@ class QuantizedComm:
         biggest = max(length for _, length in shards) * own.dtype.itemsize
         chunks = policy.chunks(self.options, self.one_node, biggest)
         key = (kind, tuple(shards), chunks, own.dtype.str)
+        # Allgather quantizes each value once already: every algorithm
+        # forwards it around the ring
+        schedule = two_shot if self.algorithm == "two_shot" and kind != "allgather" else ring
         plan = self._plans.get(key)
         if plan is None:
-            plan = ring.Plan(kind, fmt, shards, self._comm.Get_rank(), chunks,
-                             self.block_size, self.options["max_message_bytes"],
-                             self._workspace)
+            plan = schedule.Plan(kind, fmt, shards, self._comm.Get_rank(), chunks,
+                                 self.block_size, self.options["max_message_bytes"],
+                                 self._workspace)
             self._plans[key] = plan
             while len(self._plans) > _PLAN_CACHE:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
-        return ring.run(self._comm, plan, fmt, own, out, policy.KERNEL_OP[name],
-                        policy.ROUNDING[name], own_offset, out_offset)
+        return schedule.run(self._comm, plan, fmt, own, out, policy.KERNEL_OP[name],
+                            policy.ROUNDING[name], own_offset, out_offset)
 
 
-def _warm(fmt, kdtype):
+def _warm(fmt, kdtype, algorithm):
     """Compile (or load from cache) every kernel of a format for one element
-    type, with the array layouts the schedules use."""
+    type, with the array layouts the schedule ``algorithm`` uses."""
     src = np.zeros(2 * fmt.block + 3, kdtype)
     src.flags.writeable = False
     out = np.zeros_like(src)
@@ -405,3 +411,5 @@ def _warm(fmt, kdtype):
     fmt.decode(w, out)
     fmt.decode_reduce(src, w, out, policy.KERNEL_OP["sum"])
     fmt.decode_reduce_encode(src, w, w, policy.KERNEL_OP["sum"], policy.ROUNDING["sum"])
+    if algorithm == "two_shot":
+        two_shot.warm(fmt, kdtype)

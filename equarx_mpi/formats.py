@@ -11,6 +11,13 @@ offers, on pieces (1-D kernel views; ``w`` is what ``views`` returns):
     decode_reduce(own, w, out, op) -> skipped     out = own (op) D(w)
     decode_reduce_encode(own, wi, wo, op, rmode)  wo = Q(own (op) D(wi)); wi may be wo
 
+and, for a schedule that reduces many messages at once (two_shot.py), on
+``count`` messages of one piece lying back to back (``ws`` is what
+``stack_views`` returns), reduced in rank order with own in place ``pos``:
+
+    decode_reduce_many(own, pos, ws, out, op) -> skipped
+    decode_reduce_encode_many(own, pos, ws, wo, op, rmode)
+
 Decodes skip (leave untouched) the blocks holding Inf or NaN, or whose
 values would overflow out's type, and return their indices (valid until
 the next decode); the caller reduces those blocks exactly (exact.py).  A piece's bytes are
@@ -25,6 +32,8 @@ WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine")
 BITS_TO_WIRE = {4: "int4", 8: "int8", 16: "bf16", 32: "fp32"}
 #: wires whose codes can round up or down (MAX / MIN with ``lossy_ops``)
 DIRECTED_WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine")
+#: wires with many-input reductions (decode_reduce_many...): algorithm="two_shot"
+MANY_INPUT_WIRES = ("int8", "bf16", "fp32")
 #: block_size when none is given: 256, except for the int4 wires, where a
 #: smaller block buys less error for few bytes (headers 1/8 of the codes:
 #: 0.5625 bytes per value); measured in docs/FORMAT.md "int4 blocks"
@@ -94,6 +103,22 @@ class Int8Block(_Format):
     def decode_reduce_encode(self, own, wi, wo, op, rmode):
         K.i8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
                                   self.scratch, rmode)
+
+    def stack_views(self, buf, n, count):
+        # (headers, one row each; whole messages as int8 rows; where codes start)
+        size = self.nbytes(n)
+        rows = buf[:count * size].reshape(count, size)
+        h = self.head.itemsize * -(-n // self.block)
+        return rows[:, :h].view(self.head), rows.view(np.int8), h
+
+    def decode_reduce_many(self, own, pos, ws, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.i8_decode_reduce_many(own, pos, ws[0], ws[1], ws[2], out, self.block,
+                                                op, self.scratch, skipped)]
+
+    def decode_reduce_encode_many(self, own, pos, ws, wo, op, rmode):
+        K.i8_decode_reduce_encode_many(own, pos, ws[0], ws[1], ws[2], wo[0], wo[1], self.block,
+                                       op, self.scratch, rmode)
 
 
 
@@ -240,6 +265,18 @@ class Plain(_Format):
 
     def decode_reduce_encode(self, own, wi, wo, op, rmode):
         K.plain_decode_reduce_encode(own, wi, wo, op)
+
+    def stack_views(self, buf, n, count):
+        size = self.nbytes(n)
+        return buf[:count * size].view(self.wire).reshape(count, size // self.wire.itemsize)
+
+    def decode_reduce_many(self, own, pos, ws, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.plain_decode_reduce_many(own, pos, ws, out, self.block, op,
+                                                   self.scratch, skipped)]
+
+    def decode_reduce_encode_many(self, own, pos, ws, wo, op, rmode):
+        K.plain_decode_reduce_encode_many(own, pos, ws, wo, self.block, op, self.scratch)
 
 
 def make_format(wire, block, kdtype):

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import formats
 
-ALGORITHMS = ("ring",)
+ALGORITHMS = ("ring", "two_shot")
 LOSSY_OPS = ("sum", "max", "min")
 #: No single message exceeds this (MPI counts are 32-bit in many places).
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
@@ -122,6 +122,9 @@ def check(o):
                          f"not {b!r}")
     if o["algorithm"] not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
+    if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES:
+        raise ValueError(f"algorithm='two_shot' takes the wires {formats.MANY_INPUT_WIRES}, "
+                         f"not {o['wire']!r}")
     c = o["chunks"]
     if c is not None and (not _is_int(c) or c < 1):
         raise ValueError(f"chunks must be None or an integer >= 1, not {c!r}")

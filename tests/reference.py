@@ -220,3 +220,101 @@ def allgather(segments, block, codec=INT8):
         wire = codec.quantize(to_acc(seg), block)
         out.append(codec.dequantize(wire, block).astype(seg.dtype))
     return np.concatenate(out)
+
+
+# --- two-shot (equarx_mpi/two_shot.py) ------------------------------------------
+
+def _nonfinite_blocks(x, block):
+    """Per value: does its block (from x's start) hold Inf or NaN?"""
+    bad = [not np.isfinite(x[i:i + block]).all() for i in range(0, x.size, block)]
+    return np.repeat(bad, block)[:x.size]
+
+
+def _wire_dtype(wire, dtype):
+    if wire == "fp32":
+        return np.dtype(np.float32)
+    return np.dtype(np.float16) if np.dtype(dtype) == np.float16 else BF16
+
+
+def _send(x, block, rounding, wire, dtype):
+    """(what the receiver decodes, the bound on its error) for values x
+    (accumulation type) sent once on ``wire``."""
+    if wire == "int8":
+        h, c = quantize(x, block, rounding)
+        return dequantize(h, c, block), step_bound(h, block, x.size, rounding)
+    wd = _wire_dtype(wire, dtype)
+    with np.errstate(over="ignore"):
+        # the kernels store 16-bit wires through float32, as here
+        w = (x.astype(np.float32) if wd.itemsize == 2 else x).astype(wd)
+    back = w.astype(x.dtype)
+    # twice the unit roundoff and the absolute floor: a float64 value may
+    # round twice (via float32)
+    tiny = 2.0 ** -150 if wd == np.float32 else _half_tiny(wd)
+    return back, 2 * (unit_roundoff(wd) * np.abs(back.astype(np.float64)) + tiny)
+
+
+def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce",
+                       wire="int8"):
+    """What every rank of the two-shot schedule returns, for a list of
+    per-rank arrays.  Owner s of shard s (shards as the ring's) reduces in
+    rank order 0..P-1 the other ranks' values of shard s, each sent once on
+    ``wire`` (quantized by its sender), and its own raw values, then sends
+    the result once more; flagged blocks (Inf/NaN in any input or in the
+    result) are NaN here.  kind "reduce_scatter": P shards of n/P values,
+    and the owner's reduction is the result (not sent again).
+
+    With with_bound, also (bound, flagged) like ring_allreduce: per value,
+    the senders' quantization bounds, the rounding of every float addition
+    (u |partial sum|), the owner's quantization bound and the final cast."""
+    P = len(inputs)
+    dtype = inputs[0].dtype
+    acc = acc_dtype(dtype)
+    u = unit_roundoff(acc)
+    own = [to_acc(x) for x in inputs]
+    n = own[0].size
+    result = np.empty(n, acc)
+    bound = np.zeros(n)
+    if P == 1:
+        result = inputs[0].copy()
+        return (result, bound, np.zeros(n, bool)) if with_bound else result
+    rounding = ROUNDING[op]
+    edges = (shard_edges(n, P, block) if kind == "allreduce"
+             else [s * (n // P) for s in range(P + 1)])
+    for s in range(P):
+        sl = slice(edges[s], edges[s + 1])
+        if edges[s + 1] == edges[s]:
+            continue
+        part, bad = None, np.zeros(edges[s + 1] - edges[s], bool)
+        for q in range(P):
+            x = own[q][sl]
+            bad |= _nonfinite_blocks(x, block)
+            val = x
+            if q != s:
+                val, b = _send(x, block, rounding, wire, dtype)
+                bound[sl] += b
+            if part is None:
+                part = val.copy()
+                continue
+            with np.errstate(invalid="ignore", over="ignore"):
+                part = reduce(op, part, val)
+            if op == "sum":
+                bound[sl] += u * np.abs(part.astype(np.float64))
+        part = np.where(bad, np.nan, part).astype(acc)
+        if kind == "reduce_scatter":
+            result[sl] = np.where(_over_limit(part, block, dtype), np.nan, part)
+            continue
+        dec, b = _send(part, block, rounding, wire, dtype)
+        bound[sl] += b
+        if wire == "int8":
+            heads = np.repeat(quantize(part, block, rounding)[0], block)[:part.size]
+            gone = _over_limit(heads, 1, dtype)
+        else:
+            gone = _nonfinite_blocks(dec, block)
+        result[sl] = np.where(gone, np.nan, dec)
+    flagged = np.isnan(result)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = result.astype(dtype)
+    if np.dtype(dtype) != np.dtype(acc):            # the final cast
+        bound += unit_roundoff(dtype) * np.abs(out.astype(np.float64)) + _half_tiny(dtype)
+    out = out.reshape(inputs[0].shape)
+    return (out, bound, flagged) if with_bound else out

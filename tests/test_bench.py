@@ -86,7 +86,8 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
         # below 4 MiB the library defaults take exact MPI; the ablations never do
         want = {"mpi": "exact", "int8": "exact", "int8-nocheck": "exact", "bf16": "ring/bf16",
                 "fp32": "ring/fp32", "int4": "ring/int4", "fp8": "ring/fp8",
-                "int8-aff": "ring/int8-affine", "int4-aff": "ring/int4-affine"}.get(
+                "int8-aff": "ring/int8-affine", "int4-aff": "ring/int4-affine",
+                "int8-2shot": "two_shot/int8"}.get(
                     r["method"], "ring/int8")
         assert r["path"] == want, r
     assert [(c[3], c[4]) for c in table(stdout)] == [(r["method"], r["path"]) for r in rows]

@@ -43,9 +43,10 @@ _drop_stale_cache()
 from .common import (OP_MAX, OP_MIN, OP_SUM, ROUND_DOWN, ROUND_NEAREST,  # noqa: E402,F401
                      ROUND_UP)
 from .int8 import (i8_decode, i8_decode_reduce, i8_decode_reduce_encode,  # noqa: E402,F401
-                   i8_encode)
+                   i8_decode_reduce_encode_many, i8_decode_reduce_many, i8_encode)
 from .plain import (plain_decode, plain_decode_reduce,  # noqa: E402,F401
-                    plain_decode_reduce_encode, plain_encode)
+                    plain_decode_reduce_encode, plain_decode_reduce_encode_many,
+                    plain_decode_reduce_many, plain_encode)
 from .int4 import (i4_decode, i4_decode_reduce, i4_decode_reduce_encode,  # noqa: E402,F401
                    i4_encode)
 from .fp8 import (f8_decode, f8_decode_reduce, f8_decode_reduce_encode,  # noqa: E402,F401

@@ -235,3 +235,104 @@ def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, r
         m = min(block, n - lo)
         max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, k, scratch)
         emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)
+
+
+# --- many inputs at once (the two-shot owner's reduction) ---------------------
+# The P-1 received messages of one piece lie back to back: ``heads`` is their
+# headers (one row per message, any layout), ``codes`` their whole bytes as a
+# C-contiguous 2-D int8 array whose codes start at column ``h``.  ``pos`` is
+# the owner's rank: inputs are reduced in rank order 0..P-1, the owner's own
+# raw values ``own`` in place ``pos`` and row t (t - 1 past pos) for the others.
+
+@njit(inline='always', **CACHE)
+def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
+    """scratch[:m] = the rank-order reduction of block b of every input;
+    returns its largest magnitude bits, or those of Inf (scratch then
+    unusable) when an input block is flagged or own holds Inf or NaN (a MAX
+    or MIN could otherwise drop an infinity: the block must stay flagged;
+    a SUM keeps them)."""
+    inf_u = abs_bits(as_acc(scratch, np.inf))
+    last = heads.shape[0]
+    for t in range(last):
+        if not abs(heads[t, b]) < np.inf:
+            return inf_u
+    mx = abs_bits(as_acc(scratch, 0))
+    if op != OP_SUM:
+        for j in range(m):
+            mx = max(mx, abs_bits(load(own, _U(lo + j))))
+        if mx >= inf_u:
+            return inf_u
+    for t in range(last + 1):
+        if t == pos:
+            if t == 0:
+                for j in range(m):
+                    scratch[j] = load(own, _U(lo + j))
+            elif op == OP_SUM:
+                for j in range(m):
+                    scratch[j] = scratch[j] + load(own, _U(lo + j))
+            else:
+                for j in range(m):
+                    scratch[j] = reduce2(op, scratch[j], load(own, _U(lo + j)))
+            continue
+        row = t if t < pos else t - 1
+        a = heads[row, b]
+        at = h + lo
+        if t == 0:
+            for j in range(m):
+                scratch[j] = (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
+        elif op == OP_SUM and t == last:     # the common last input: its maximum on the way
+            mx = abs_bits(as_acc(scratch, 0))
+            for j in range(m):
+                v = scratch[j] + (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
+                scratch[j] = v
+                mx = max(mx, abs_bits(v))
+            return mx
+        elif op == OP_SUM:
+            for j in range(m):
+                scratch[j] = scratch[j] + (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
+        else:
+            for j in range(m):
+                v = (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
+                scratch[j] = reduce2(op, scratch[j], v)
+    mx = abs_bits(as_acc(scratch, 0))
+    for j in range(m):
+        mx = max(mx, abs_bits(scratch[j]))
+    return mx
+
+
+@njit(**KERNEL)
+def i8_decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block, op,
+                                 scratch, rmode):
+    """(h_out, c_out) = Q(rank-order reduction of own and the messages),
+    one pass per block; a block flagged in any input ends flagged."""
+    wide_vectors()
+    n = own.size
+    k = as_acc(h_out, 1) / as_acc(h_out, LEVELS)
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        max_u = _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch)
+        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)
+
+
+@njit(**KERNEL)
+def i8_decode_reduce_many(own, pos, heads, codes, h, out, block, op, scratch, skipped):
+    """out = rank-order reduction of own and the messages, at full
+    precision; blocks flagged in any input, holding Inf/NaN in own, or
+    whose result does not fit out are skipped (left untouched).  Returns
+    their number; their indices are in skipped[:number]."""
+    wide_vectors()
+    n = own.size
+    k = as_acc(scratch, 1) / as_acc(scratch, LEVELS)
+    limit_u = abs_bits(out_limit(out))
+    flagged = 0
+    for b in range((n + block - 1) // block):
+        lo = b * block
+        m = min(block, n - lo)
+        if _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch) >= limit_u:
+            skipped[flagged] = b
+            flagged += 1
+            continue
+        for j in range(m):
+            store(out, _U(lo + j), scratch[j])
+    return flagged

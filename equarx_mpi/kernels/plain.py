@@ -73,3 +73,72 @@ def plain_decode_reduce_encode(own, wire_in, wire_out, op):
     else:
         for i in range(own.size):
             store(wire_out, _U(i), reduce2(op, load(own, _U(i)), load(wire_in, _U(i))))
+
+
+# --- many inputs at once (the two-shot owner's reduction) ---------------------
+# ``wires`` holds the P-1 received messages of one piece, one per row (C 2-D);
+# ``pos`` is the owner's rank: inputs are reduced in rank order 0..P-1, the
+# owner's own values ``own`` in place ``pos`` and row t (t - 1 past pos) for
+# the others.  Worked in blocks of B values so the partial sums stay in cache.
+
+@njit(**CACHE)
+def _reduce_many(own, pos, wires, lo, m, op, scratch):
+    """scratch[:m] = the rank-order reduction of values lo..lo+m; returns
+    the largest magnitude bits (those of Inf or NaN if one is inside)."""
+    for t in range(wires.shape[0] + 1):
+        if t == pos:
+            if t == 0:
+                for j in range(m):
+                    scratch[j] = load(own, _U(lo + j))
+            elif op == OP_SUM:
+                for j in range(m):
+                    scratch[j] = scratch[j] + load(own, _U(lo + j))
+            else:
+                for j in range(m):
+                    scratch[j] = reduce2(op, scratch[j], load(own, _U(lo + j)))
+            continue
+        row = t if t < pos else t - 1
+        if t == 0:
+            for j in range(m):
+                scratch[j] = load(wires, (row, _U(lo + j)))
+        elif op == OP_SUM:
+            for j in range(m):
+                scratch[j] = scratch[j] + load(wires, (row, _U(lo + j)))
+        else:
+            for j in range(m):
+                scratch[j] = reduce2(op, scratch[j], load(wires, (row, _U(lo + j))))
+    mx = abs_bits(as_acc(scratch, 0))
+    for j in range(m):
+        mx = max(mx, abs_bits(scratch[j]))
+    return mx
+
+
+@njit(**CACHE)
+def plain_decode_reduce_encode_many(own, pos, wires, wire_out, block, op, scratch):
+    """wire_out = the rank-order reduction of own and the messages, rounded
+    once to the wire type."""
+    n = own.size
+    for lo in range(0, n, block):
+        m = min(block, n - lo)
+        _reduce_many(own, pos, wires, lo, m, op, scratch)
+        for j in range(m):
+            store(wire_out, _U(lo + j), scratch[j])
+
+
+@njit(**CACHE)
+def plain_decode_reduce_many(own, pos, wires, out, block, op, scratch, skipped):
+    """out = the rank-order reduction of own and the messages, skipping
+    blocks whose result does not fit out (Inf or NaN inside); returns their
+    number (indices in skipped[:number])."""
+    n = own.size
+    limit = abs_bits(out_limit(out))
+    flagged = 0
+    for lo in range(0, n, block):
+        m = min(block, n - lo)
+        if _reduce_many(own, pos, wires, lo, m, op, scratch) >= limit:
+            skipped[flagged] = lo // block
+            flagged += 1
+            continue
+        for j in range(m):
+            store(out, _U(lo + j), scratch[j])
+    return flagged
