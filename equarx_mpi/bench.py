@@ -21,7 +21,8 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from .comm import BFLOAT16, QuantizedComm
+from .comm import QuantizedComm
+from .validate import BFLOAT16
 
 #: name -> (description, QuantizedComm options or None for mpi4py's exact
 #: comm.Allreduce).  A QuantizedComm is built only for the methods a run

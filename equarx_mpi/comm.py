@@ -1,9 +1,8 @@
 """The public edge: QuantizedComm.  Arguments are checked (validate.py) and
 agreed across ranks (agree.py), the method is chosen (policy.py), then a
-schedule (ring.py) or exact MPI (exact.py) runs, in the caller's thread or,
+schedule (engine.py) or exact MPI (exact.py) runs, in the caller's thread or,
 for nonblocking and persistent calls, in the progress thread
 (nonblocking.py)."""
-import collections
 import os
 import sys
 import threading
@@ -13,19 +12,22 @@ from typing import NamedTuple, Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import exact, formats, options, policy, ring, two_shot
+from . import exact, formats, options, policy
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
+from .engine import Engine
 from .nonblocking import Executor, PersistentRequest, PoliteRequest
-from .validate import BFLOAT16, check_buffers, op_name
-
-_PLAN_CACHE = 8
+from .shm import split_nodes
+from .validate import check_buffers, op_name
 
 
 class CallInfo(NamedTuple):
     """What the last call did (``QuantizedComm.last_call``)."""
     call: str                 #: "Allreduce", "Reduce_scatter_block" or "Allgather"
-    method: str               #: "mpi" (the exact MPI collective), "copy" (one rank) or the schedule
+    #: "mpi" (MPI's own collective), "shm" (exact through a shared window),
+    #: "copy" (one rank), or the quantized schedule: "ring", "two_shot",
+    #: "hierarchical"
+    method: str
     wire: Optional[str]       #: the wire format, None when exact
     reason: str               #: why this path, in words
     exact_values: int = 0     #: values of flagged blocks (Inf/NaN) reduced exactly afterwards
@@ -73,25 +75,15 @@ class _Counting(MPI.Intracomm):
 
 class Call:
     """One checked and agreed call, ready to run (``_prepare``)."""
-    __slots__ = ("what", "send", "recv", "op", "name", "quantize", "reason", "nbytes")
+    __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes")
 
-    def __init__(self, what, send, recv, op, name, quantize, reason, nbytes):
+    def __init__(self, what, send, recv, op, name, method, reason, nbytes):
         self.what, self.send, self.recv, self.op = what, send, recv, op
-        self.name, self.quantize, self.reason, self.nbytes = name, quantize, reason, nbytes
+        self.name, self.method, self.reason, self.nbytes = name, method, reason, nbytes
 
-
-def _kernel_view(a, writable):
-    """1-D view of a C-contiguous array in the kernels' element type."""
-    v = a.reshape(-1)
-    if v.dtype == np.float16:
-        v = v.view(np.int16)
-    elif v.dtype == BFLOAT16:
-        v = v.view(np.uint16)
-    else:
-        v = v.view()
-    if not writable:
-        v.flags.writeable = False
-    return v
+    @property
+    def quantize(self):
+        return self.method not in policy.EXACT
 
 
 class QuantizedComm:
@@ -118,9 +110,13 @@ class QuantizedComm:
     block_size: values per block, a power of two from 32 to 4096; None (the
         default): the wire's own, 256 (int4 64, int4-affine 128).
     algorithm: "ring" (pipelined reduce-scatter + all-gather, a value is
-        quantized P times) or "two_shot" (every shard sent to its owner,
+        quantized P times), "two_shot" (every shard sent to its owner,
         reduced there at full precision and all-gathered: twice at most;
-        wires int8, bf16 and fp32).
+        wires int8, bf16 and fp32), "hierarchical" (exact inside each node
+        through a shared window, quantized between nodes: error of the node
+        count; Allreduce across nodes of equal size, the halves use the
+        ring), "shm" (exact, through a shared window, when all ranks share
+        a node) or "mpi" (always MPI's own collective).
     chunks: pieces per shard for pipelining; None: one piece when all ranks
         share a node, else about 256 KiB of input per piece (at most 8).
     min_quantized_bytes: messages smaller than this (bytes per rank; for the
@@ -169,20 +165,26 @@ class QuantizedComm:
         # earlier ones on _comm.
         self._ctl = self._comm.Dup()
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self._compile_first = local.Get_rank() == 0
-        #: all ranks on one node (shared memory); the same answer on every rank
-        self.one_node = local.Get_size() == self._comm.Get_size()
+        compile_first = local.Get_rank() == 0
         local.Free()
+        node = split_nodes(self._comm)      # the real node, or a faked layout
+        sizes = self._comm.allgather(node.Get_size())
+        leaders = len(set(self._comm.allgather(node.bcast(self._comm.Get_rank()))))
+        #: where the ranks are (the same on every rank)
+        self.layout = policy.Layout(leaders, node.Get_size(), len(set(sizes)) == 1)
+        node.Free()
+        #: all ranks on one node (shared memory)
+        self.one_node = self.layout.one_node
         self.min_quantized_bytes = policy.min_quantized_bytes(o, self.one_node)
+        self._engine = Engine(self._comm, o, self.one_node, compile_first)
+        self._compile_first = compile_first
+        self._shm = self._hier = self._between = None    # made on first use (collective)
         self.last_call = None
         self._size = self._comm.Get_size()
         self._totals = [0, 0, 0, 0, 0.0]      # Stats' fields, summed
         self._lock = threading.Lock()
         self._log = options.logging() and self._comm.Get_rank() == 0
         self._exec = Executor(self._comm)
-        self._formats = {}
-        self._plans = collections.OrderedDict()
-        self._ws = np.empty(0, np.uint8)
 
     @property
     def stats(self):
@@ -196,11 +198,13 @@ class QuantizedComm:
         communicators and workspace."""
         if self._comm is not None:
             self._exec.close()
+            for part in (self._shm, self._between, self._hier):
+                if part is not None:
+                    part.free()
+            self._engine.free()
             self._ctl.Free()
             self._comm.Free()
             self._comm = None
-            self._plans.clear()
-            self._ws = None
 
     def __enter__(self):
         return self
@@ -262,37 +266,38 @@ class QuantizedComm:
         send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok)
         name = "sum" if what == "Allgather" else (
             op_name(op) if isinstance(op, MPI.Op) else None)
-        quantize, reason, nbytes = False, "device memory or a derived datatype: MPI unchanged", 0
+        method, reason, nbytes = "mpi", "device memory or a derived datatype: MPI unchanged", 0
         if err is None and recv is not OPAQUE:
             nbytes = dict(meta)["count"] * recv.dtype.itemsize
             if nbytes == 0:
                 reason = "empty message"
             else:
-                quantize, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
-                                                 P, self.one_node)
+                method, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
+                                               P, self.layout)
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
-            agree(self._ctl, what, meta + [("quantized", int(quantize))], err)
+            agree(self._ctl, what, meta + [("method", method)], err)
         elif err is not None:
             raise err
-        return Call(what, send, recv, op, name, quantize, reason, nbytes)
+        return Call(what, send, recv, op, name, method, reason, nbytes)
 
     def _execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
         t0, sent0, P = time.perf_counter(), self._comm.sent, self._size
         self._comm.polite = self._exec.in_thread()
         if c.quantize:
-            fixed = {"Allreduce": self._allreduce, "Allgather": self._allgather,
-                     "Reduce_scatter_block": self._reduce_scatter}[c.what](c)
-            return self._record(c, CallInfo(c.what, self.algorithm, self.wire, c.reason, fixed,
+            fixed = self._quantized(c)
+            return self._record(c, CallInfo(c.what, c.method, self.wire, c.reason, fixed,
                                             self._comm.sent - sent0, time.perf_counter() - t0))
-        if P == 1:
+        if c.method == "shm":
+            self._window().allreduce(c.send, c.recv, c.op)
+        elif P == 1:
             if c.send is not None:
                 c.recv[...] = c.send
         elif c.what == "Allgather":
             exact.gather(self._comm, c.send, c.recv)
         else:
             exact.collective(self._comm, c.what, c.send, c.recv, c.op)
-        return self._record(c, CallInfo(c.what, "copy" if P == 1 else "mpi", None, c.reason, 0,
+        return self._record(c, CallInfo(c.what, c.method, None, c.reason, 0,
                                         uncompressed_bytes(c.what, c.nbytes, P),
                                         time.perf_counter() - t0))
 
@@ -325,91 +330,40 @@ class QuantizedComm:
                              f"{info.bytes_sent} B sent\n")
         return info
 
-    def _allreduce(self, c):
-        own = c.recv if c.send is None else c.send
-        n, B, P = c.recv.size, self.block_size, self._comm.Get_size()
-        nb = -(-n // B)
-        edges = [min(s * nb // P * B, n) for s in range(P + 1)]
-        shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
-        ranges = self._run("allreduce", shards, own, c.recv, c.name, 0, 0)
-        return exact.fix_allreduce(self._comm, ranges, own, c.recv, c.op)
+    def _quantized(self, c):
+        """Run a quantized call; returns the values reduced exactly after it."""
+        e = self._engine
+        if c.what == "Allgather":
+            return e.allgather(c.send, c.recv)
+        if c.what == "Reduce_scatter_block":
+            return e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op)
+        if c.method != "hierarchical":
+            return e.allreduce(c.method, c.send, c.recv, c.name, c.op)
+        hier, between = self._hierarchy()
+        fixed = [0]
 
-    def _reduce_scatter(self, c):
-        P, r = self._comm.Get_size(), self._comm.Get_rank()
-        own = c.recv if c.send is None else c.send
-        m = own.size // P
-        # in place the result is staged, so the input survives for a fix-up
-        out = c.recv[:m] if c.send is not None else np.empty(m, c.recv.dtype)
-        ranges = self._run("reduce_scatter", [(s * m, m) for s in range(P)], own, out,
-                           c.name, 0, r * m)
-        fixed = exact.fix_reduce_scatter(self._comm, ranges, own, out, c.op, r, m)
-        if c.send is None:
-            c.recv[:m] = out
-        return fixed
+        def across(comm, mine):
+            fixed[0] += between.allreduce(_INNER[self.wire in formats.MANY_INPUT_WIRES], None,
+                                          mine.reshape(-1), c.name, c.op)
+        hier.allreduce(c.recv if c.send is None else c.send, c.recv, c.op, across)
+        return fixed[0]
 
-    def _allgather(self, c):
-        P, r = self._comm.Get_size(), self._comm.Get_rank()
-        m = c.recv.size // P
-        own = c.recv[r * m:(r + 1) * m] if c.send is None else c.send
-        ranges = self._run("allgather", [(s * m, m) for s in range(P)], own, c.recv,
-                           "sum", r * m, 0)
-        return exact.fix_allgather(self._comm, ranges, own, c.recv, r)
+    def _window(self):
+        """The shared window of the exact one-node method (made on first use)."""
+        if self._shm is None:
+            from .shm import ShmAllreduce
+            self._shm = ShmAllreduce(self._comm)
+        return self._shm
 
-    def _format(self, kdtype):
-        fmt = self._formats.get(kdtype.str)
-        if fmt is None:
-            fmt = formats.make_format(self.wire, self.block_size, kdtype)
-            # One rank per node compiles into numba's on-disk cache first, so
-            # ranks never write the same cache entries at once.
-            if self._compile_first:
-                _warm(fmt, kdtype, self.algorithm)
-            self._comm.Barrier()
-            if not self._compile_first:
-                _warm(fmt, kdtype, self.algorithm)
-            self._formats[kdtype.str] = fmt
-        return fmt
-
-    def _workspace(self, nbytes):
-        if self._ws.size < nbytes:
-            self._plans.clear()
-            self._ws = np.empty(nbytes, np.uint8)
-        return self._ws
-
-    def _run(self, kind, shards, own, out, name, own_offset, out_offset):
-        """Run the quantized schedule; own and out are the caller's arrays."""
-        own = _kernel_view(own, writable=False)
-        out = _kernel_view(out, writable=True)
-        fmt = self._format(own.dtype)
-        biggest = max(length for _, length in shards) * own.dtype.itemsize
-        chunks = policy.chunks(self.options, self.one_node, biggest)
-        key = (kind, tuple(shards), chunks, own.dtype.str)
-        # Allgather quantizes each value once already: every algorithm
-        # forwards it around the ring
-        schedule = two_shot if self.algorithm == "two_shot" and kind != "allgather" else ring
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = schedule.Plan(kind, fmt, shards, self._comm.Get_rank(), chunks,
-                                 self.block_size, self.options["max_message_bytes"],
-                                 self._workspace)
-            self._plans[key] = plan
-            while len(self._plans) > _PLAN_CACHE:
-                self._plans.popitem(last=False)
-        else:
-            self._plans.move_to_end(key)
-        return schedule.run(self._comm, plan, fmt, own, out, policy.KERNEL_OP[name],
-                            policy.ROUNDING[name], own_offset, out_offset)
+    def _hierarchy(self):
+        """The node-aware schedule and the engine between nodes (made on
+        first use)."""
+        if self._hier is None:
+            from .hierarchical import Hierarchy
+            self._hier = Hierarchy(self._comm)
+            self._between = Engine(self._hier.inter, self.options, False, self._compile_first)
+        return self._hier, self._between
 
 
-def _warm(fmt, kdtype, algorithm):
-    """Compile (or load from cache) every kernel of a format for one element
-    type, with the array layouts the schedule ``algorithm`` uses."""
-    src = np.zeros(2 * fmt.block + 3, kdtype)
-    src.flags.writeable = False
-    out = np.zeros_like(src)
-    w = fmt.views(np.zeros(fmt.nbytes(src.size), np.uint8), src.size)
-    fmt.encode(src, w, policy.ROUNDING["sum"])
-    fmt.decode(w, out)
-    fmt.decode_reduce(src, w, out, policy.KERNEL_OP["sum"])
-    fmt.decode_reduce_encode(src, w, w, policy.KERNEL_OP["sum"], policy.ROUNDING["sum"])
-    if algorithm == "two_shot":
-        two_shot.warm(fmt, kdtype)
+#: the schedule between nodes: two-shot where the wire has many-input kernels
+_INNER = {True: "two_shot", False: "ring"}

@@ -16,7 +16,7 @@ import numpy as np
 
 from . import formats
 
-ALGORITHMS = ("ring", "two_shot")
+ALGORITHMS = ("ring", "two_shot", "hierarchical", "shm", "mpi")
 LOSSY_OPS = ("sum", "max", "min")
 #: No single message exceeds this (MPI counts are 32-bit in many places).
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30

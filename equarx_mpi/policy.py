@@ -6,6 +6,8 @@ MAX and MIN only when ``lossy_ops`` names them (then rounded so MAX is
 never below and MIN never above the true result); every other op and
 every non-float dtype is exact.  Small messages take exact MPI too, below
 the measured crossover where quantizing stops paying."""
+from typing import NamedTuple
+
 import numpy as np
 
 from . import formats
@@ -34,28 +36,59 @@ def min_quantized_bytes(opts, one_node):
     return DEFAULT_MIN_QUANTIZED_BYTES["one_node" if one_node else "network"] if q is None else q
 
 
-def choose(opts, what, opname, dtype, nbytes, P, one_node):
-    """(quantize, reason): whether this call travels quantized, and why
-    (or why not), in words for ``last_call``."""
+class Layout(NamedTuple):
+    """Where the ranks are: the same on every rank."""
+    nodes: int                #: how many nodes (EQUARX_MPI_FAKE_NODES can fake them)
+    ranks_per_node: int       #: ranks on this rank's node
+    uniform: bool             #: every node holds the same number of ranks
+
+    @property
+    def one_node(self):
+        return self.nodes == 1
+
+
+#: the methods that are exact
+EXACT = ("copy", "mpi", "shm")
+
+
+def choose(opts, what, opname, dtype, nbytes, P, layout):
+    """(method, reason): how this call runs, and why, in words for
+    ``last_call``.  Methods: "copy" (one rank), "mpi" (MPI's own
+    collective), "shm" (exact, through a shared window on one node), or a
+    quantized schedule: "ring", "two_shot", "hierarchical"."""
     if P == 1:
-        return False, "one rank: a copy"
+        return "copy", "one rank: a copy"
     if disabled():
-        return False, "EQUARX_MPI_DISABLE is set"
+        return "mpi", "EQUARX_MPI_DISABLE is set"
+    alg = opts["algorithm"]
+    if alg == "mpi":
+        return "mpi", "algorithm='mpi'"
     if dtype not in QUANTIZED_DTYPES:
-        return False, f"dtype {np.dtype(dtype).name} is always exact"
+        return "mpi", f"dtype {np.dtype(dtype).name} is always exact"
+    if what != "Allgather" and opname not in KERNEL_OP:
+        return "mpi", f"op {opname} is always exact"
+    # exact from here on: through the window where asked for and possible
+    window = (alg == "shm" and layout.one_node and what == "Allreduce")
+    exact = "shm" if window else "mpi"
+    if alg == "shm":
+        return exact, ("algorithm='shm': exact, through a shared window" if window else
+                       "algorithm='shm' reduces only Allreduce on one node: MPI")
     if what != "Allgather":
-        if opname not in KERNEL_OP:
-            return False, f"op {opname} is always exact"
         if opname not in opts["lossy_ops"]:
-            return False, (f"op {opname.upper()} is exact unless lossy_ops "
+            return exact, (f"op {opname.upper()} is exact unless lossy_ops "
                            f"includes {opname!r}")
         if opname != "sum" and opts["wire"] not in formats.DIRECTED_WIRES:
-            return False, (f"{opname.upper()} travels quantized only on the wires that round "
+            return exact, (f"{opname.upper()} travels quantized only on wires that round "
                            f"up and down: {', '.join(formats.DIRECTED_WIRES)}")
-    least = min_quantized_bytes(opts, one_node)
+    least = min_quantized_bytes(opts, layout.one_node)
     if nbytes < least:
-        return False, f"{nbytes} bytes is below min_quantized_bytes={least}"
-    return True, "quantized"
+        return exact, f"{nbytes} bytes is below min_quantized_bytes={least}"
+    if alg == "hierarchical":
+        if what == "Allreduce" and layout.uniform and not layout.one_node:
+            return "hierarchical", "quantized between nodes, exact inside them"
+        return "ring", ("hierarchical covers Allreduce across nodes of equal size; "
+                        "this call: the ring")
+    return alg, "quantized"
 
 
 def chunks(opts, one_node, biggest_shard_bytes):

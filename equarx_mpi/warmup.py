@@ -61,16 +61,16 @@ def warmup(verbose=False):
     type and wire format.  Returns a dict: seconds, compiled (kernel
     signatures compiled now), loaded (found in the cache), cache (folders)."""
     from . import formats
-    from .comm import _kernel_view, _warm
+    from .engine import kernel_view, warm
     from .validate import QUANTIZED_DTYPES
     t0 = time.perf_counter()
     ds = _dispatchers()
     hits0, misses0 = _counts(ds)
     for wire in formats.WIRES:
         for dt in QUANTIZED_DTYPES:
-            kd = _kernel_view(np.zeros(1, dt), False).dtype
+            kd = kernel_view(np.zeros(1, dt), False).dtype
             t = time.perf_counter()
-            _warm(formats.make_format(wire, formats.default_block(wire), kd), kd)
+            warm(formats.make_format(wire, formats.default_block(wire), kd), kd)
             if verbose:
                 print(f"  {wire:11s} {np.dtype(dt).name:9s} {time.perf_counter() - t:7.2f} s",
                       flush=True)

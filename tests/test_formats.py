@@ -11,7 +11,7 @@ import pytest
 
 from equarx_mpi import formats, options
 from equarx_mpi import kernels as K
-from equarx_mpi.comm import _kernel_view
+from equarx_mpi.engine import kernel_view as _kernel_view
 from equarx_mpi.kernelbench import Native
 
 from reference import BF16, _over_limit, reduce, to_acc

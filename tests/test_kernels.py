@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from equarx_mpi import kernels as K
-from equarx_mpi.comm import _kernel_view
+from equarx_mpi.engine import kernel_view as _kernel_view
 
 from reference import (BF16, _over_limit, dequantize, quantize, reduce, step_bound, to_acc)
 

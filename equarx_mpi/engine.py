@@ -1,0 +1,137 @@
+"""Quantized schedules on one communicator: a format per input type, a plan
+per message shape, one workspace, and the exact fix-up of flagged blocks.
+QuantizedComm runs one on its duplicate of the caller's communicator; the
+hierarchical schedule one more on the communicator between nodes."""
+import collections
+
+import numpy as np
+
+from . import exact, formats, policy, ring, two_shot
+from .validate import BFLOAT16
+
+#: the quantized schedules, by algorithm name
+SCHEDULES = {"ring": ring, "two_shot": two_shot}
+_PLAN_CACHE = 8
+
+
+def kernel_view(a, writable):
+    """1-D view of a C-contiguous array in the kernels' element type."""
+    v = a.reshape(-1)
+    if v.dtype == np.float16:
+        v = v.view(np.int16)
+    elif v.dtype == BFLOAT16:
+        v = v.view(np.uint16)
+    else:
+        v = v.view()
+    if not writable:
+        v.flags.writeable = False
+    return v
+
+
+def warm(fmt, kdtype):
+    """Compile (or load from numba's cache) every kernel the schedules use
+    for one format and element type, with the array layouts they use."""
+    src = np.zeros(2 * fmt.block + 3, kdtype)
+    src.flags.writeable = False
+    out = np.zeros_like(src)
+    w = fmt.views(np.zeros(fmt.nbytes(src.size), np.uint8), src.size)
+    fmt.encode(src, w, policy.ROUNDING["sum"])
+    fmt.decode(w, out)
+    fmt.decode_reduce(src, w, out, policy.KERNEL_OP["sum"])
+    fmt.decode_reduce_encode(src, w, w, policy.KERNEL_OP["sum"], policy.ROUNDING["sum"])
+    if hasattr(fmt, "decode_reduce_many"):
+        two_shot.warm(fmt, kdtype)
+
+
+class Engine:
+    """Runs the quantized collectives of ``opts`` on ``comm`` (which must not
+    carry other traffic of the same tag).  ``compile_first``: this rank
+    compiles the kernels before the others of its node read numba's cache."""
+
+    def __init__(self, comm, opts, one_node, compile_first):
+        self.comm, self.opts, self.one_node = comm, opts, one_node
+        self.compile_first = compile_first
+        self.P, self.rank = comm.Get_size(), comm.Get_rank()
+        self._formats = {}
+        self._plans = collections.OrderedDict()
+        self._ws = np.empty(0, np.uint8)
+
+    def free(self):
+        self._plans.clear()
+        self._ws = None
+
+    def allreduce(self, algorithm, send, recv, name, op):
+        """recv = op over ranks of send (None: recv's values); flat arrays.
+        Returns the number of values reduced exactly afterwards."""
+        own = recv if send is None else send
+        n, B, P = recv.size, self.opts["block_size"], self.P
+        nb = -(-n // B)
+        edges = [min(s * nb // P * B, n) for s in range(P + 1)]
+        shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
+        ranges = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0)
+        return exact.fix_allreduce(self.comm, ranges, own, recv, op)
+
+    def reduce_scatter(self, algorithm, send, recv, name, op):
+        P, r = self.P, self.rank
+        own = recv if send is None else send
+        m = own.size // P
+        # in place the result is staged, so the input survives for a fix-up
+        out = recv[:m] if send is not None else np.empty(m, recv.dtype)
+        ranges = self._run(algorithm, "reduce_scatter", [(s * m, m) for s in range(P)], own,
+                           out, name, 0, r * m)
+        fixed = exact.fix_reduce_scatter(self.comm, ranges, own, out, op, r, m)
+        if send is None:
+            recv[:m] = out
+        return fixed
+
+    def allgather(self, send, recv):
+        """Each value is quantized once by its owner: every algorithm forwards
+        the bytes around the ring."""
+        P, r = self.P, self.rank
+        m = recv.size // P
+        own = recv[r * m:(r + 1) * m] if send is None else send
+        ranges = self._run("ring", "allgather", [(s * m, m) for s in range(P)], own, recv,
+                           "sum", r * m, 0)
+        return exact.fix_allgather(self.comm, ranges, own, recv, r)
+
+    def _format(self, kdtype):
+        fmt = self._formats.get(kdtype.str)
+        if fmt is None:
+            fmt = formats.make_format(self.opts["wire"], self.opts["block_size"], kdtype)
+            # One rank per node compiles into numba's on-disk cache first, so
+            # ranks never write the same cache entries at once.
+            if self.compile_first:
+                warm(fmt, kdtype)
+            self.comm.Barrier()
+            if not self.compile_first:
+                warm(fmt, kdtype)
+            self._formats[kdtype.str] = fmt
+        return fmt
+
+    def _workspace(self, nbytes):
+        if self._ws.size < nbytes:
+            self._plans.clear()
+            self._ws = np.empty(nbytes, np.uint8)
+        return self._ws
+
+    def _run(self, algorithm, kind, shards, own, out, name, own_offset, out_offset):
+        """Run a schedule; own and out are the caller's arrays.  Returns the
+        flagged ranges."""
+        own = kernel_view(own, writable=False)
+        out = kernel_view(out, writable=True)
+        fmt = self._format(own.dtype)
+        biggest = max(length for _, length in shards) * own.dtype.itemsize
+        chunks = policy.chunks(self.opts, self.one_node, biggest)
+        schedule = SCHEDULES[algorithm]
+        key = (algorithm, kind, tuple(shards), chunks, own.dtype.str)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = schedule.Plan(kind, fmt, shards, self.rank, chunks, self.opts["block_size"],
+                                 self.opts["max_message_bytes"], self._workspace)
+            self._plans[key] = plan
+            while len(self._plans) > _PLAN_CACHE:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        return schedule.run(self.comm, plan, fmt, own, out, policy.KERNEL_OP[name],
+                            policy.ROUNDING[name], own_offset, out_offset)
