@@ -8,6 +8,7 @@
 #   ./run_tests.sh                 everything
 #   RANKS="2 4" ./run_tests.sh     only those MPI sizes
 #   LARGE=0 ./run_tests.sh         without the >2 GiB-per-rank AllReduce
+#   LAYOUTS="2x2" ./run_tests.sh   only that faked node layout
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
@@ -83,6 +84,13 @@ run_ranks() {
 
 for n in $RANKS; do
     run_mpi "$n" "MPI tests at $n rank(s)" -m "mpi and not large" tests
+done
+
+# --- node-aware schedules on faked node layouts (A nodes of B ranks) -----------------
+for layout in ${LAYOUTS:-2x2 2x3 4x2}; do
+    EQUARX_MPI_FAKE_NODES=$layout run_mpi $(( ${layout%x*} * ${layout#*x} )) \
+        "faked layout of $layout nodes x ranks" -m "mpi and not large" \
+        tests/test_mpi_hierarchical.py tests/test_mpi_shm.py
 done
 
 # --- mpi4py's own collective buffer tests, their communicator wrapped -----------------
