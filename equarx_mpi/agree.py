@@ -20,28 +20,42 @@ def _key(name, value):
     return zlib.crc32(f"{name}={value}".encode())
 
 
-def agree(comm, what, meta, err):
+def agree(comm, what, meta, err, most=None):
     """Raise the same error on every rank of ``comm`` unless every rank
     made the same call (the same (name, value) pairs in ``meta``) without a
-    local error ``err``."""
+    local error ``err``.  ``most``, a nonnegative float or None, rides
+    along: returns its largest value over the ranks (None where this rank
+    passed None), e.g. the largest input magnitude for an exact sum's
+    error bound."""
     if comm.Get_size() == 1:
         if err is not None:
             raise err
-        return
-    # One tiny MAX-Allreduce of (fields, -fields, error flag) tells every
-    # rank whether all agree; only then are details gathered.  (array.array:
-    # a numpy array costs more than the message here.)
+        return most
+    # One tiny MAX-Allreduce of (fields, -fields, error flag, most) tells
+    # every rank whether all agree; only then are details gathered.
+    # (array.array: a numpy array costs more than the message here.)
     fields = [v if type(v) is int else _key(name, v) for name, v in meta]
     a = array.array("q", fields)
     a.extend([-f for f in fields])
     a.append(err is not None)
+    # always there, so the message has one length on every rank; a
+    # nonnegative float's bits order like its value, -1 stands for None
+    a.append(-1 if most is None else _float_bits(most))
     comm.Allreduce(MPI.IN_PLACE, [a, MPI.INT64_T], MPI.MAX)
     k = len(fields)
-    if not a[-1] and all(a[i] == -a[k + i] for i in range(k)):
-        return
+    if not a[2 * k] and all(a[i] == -a[k + i] for i in range(k)):
+        return None if most is None or a[-1] < 0 else _bits_float(a[-1])
     everyone = comm.allgather((None if err is None else (type(err).__name__, str(err)),
                                {name: str(v) for name, v in meta}))
     raise_agreed(what, everyone)
+
+
+def _float_bits(x):
+    return int(np.array(float(x), np.float64).view(np.int64))
+
+
+def _bits_float(b):
+    return float(np.array(b, np.int64).view(np.float64))
 
 
 def raise_agreed(what, everyone):

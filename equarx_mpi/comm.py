@@ -3,6 +3,7 @@ agreed across ranks (agree.py), the method is chosen (policy.py), then a
 schedule (engine.py) or exact MPI (exact.py) runs, in the caller's thread or,
 for nonblocking and persistent calls, in the progress thread
 (nonblocking.py)."""
+import math
 import os
 import sys
 import threading
@@ -12,7 +13,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import exact, formats, options, policy
+from . import bound, exact, formats, options, policy
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
 from .engine import Engine
@@ -35,6 +36,9 @@ class CallInfo(NamedTuple):
     #: call the bandwidth-optimal amount (MPI's own algorithm may send more)
     bytes_sent: int = 0
     seconds: float = 0.0      #: time the call ran (a nonblocking call: from when it started)
+    #: a rigorous bound on |result - exact| over the result's finite values,
+    #: the same on every rank (QuantizedComm.last_error_bound, docs/ERROR.md)
+    error_bound: float = math.inf
 
 
 class Stats(NamedTuple):
@@ -74,12 +78,15 @@ class _Counting(MPI.Intracomm):
 
 
 class Call:
-    """One checked and agreed call, ready to run (``_prepare``)."""
-    __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes")
+    """One checked and agreed call, ready to run (``_prepare``).  ``bound``:
+    an exact call's error bound, None when it must be found when the call
+    runs (quantized, or a persistent exact sum)."""
+    __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes", "bound")
 
-    def __init__(self, what, send, recv, op, name, method, reason, nbytes):
+    def __init__(self, what, send, recv, op, name, method, reason, nbytes, bound=None):
         self.what, self.send, self.recv, self.op = what, send, recv, op
         self.name, self.method, self.reason, self.nbytes = name, method, reason, nbytes
+        self.bound = bound
 
     @property
     def quantize(self):
@@ -137,6 +144,9 @@ class QuantizedComm:
     After each call ``last_call`` (a CallInfo) says which path it took, what
     it sent and how long it ran; ``stats`` (a Stats) sums all calls.  With
     EQUARX_MPI_LOG=1 rank 0 logs every call's decision on stderr.
+    ``last_error_bound`` certifies the last result: |result - exact| never
+    exceeds it on a finite result value; ``block_bounds()`` gives it per
+    block (docs/ERROR.md).
     """
 
     def __init__(self, comm, **opts):
@@ -167,12 +177,16 @@ class QuantizedComm:
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         compile_first = local.Get_rank() == 0
         local.Free()
+        if compile_first:                   # the others load it after split_nodes' collectives
+            bound.warm()
         node = split_nodes(self._comm)      # the real node, or a faked layout
         sizes = self._comm.allgather(node.Get_size())
         leaders = len(set(self._comm.allgather(node.bcast(self._comm.Get_rank()))))
         #: where the ranks are (the same on every rank)
         self.layout = policy.Layout(leaders, node.Get_size(), len(set(sizes)) == 1)
         node.Free()
+        if not compile_first:
+            bound.warm()
         #: all ranks on one node (shared memory)
         self.one_node = self.layout.one_node
         self.min_quantized_bytes = policy.min_quantized_bytes(o, self.one_node)
@@ -180,6 +194,7 @@ class QuantizedComm:
         self._compile_first = compile_first
         self._shm = self._hier = self._between = None    # made on first use (collective)
         self.last_call = None
+        self._blocks = None         # the last call's bound.Record (block_bounds)
         self._size = self._comm.Get_size()
         self._totals = [0, 0, 0, 0, 0.0]      # Stats' fields, summed
         self._lock = threading.Lock()
@@ -191,6 +206,42 @@ class QuantizedComm:
         """Totals over all calls so far (a Stats)."""
         with self._lock:
             return Stats(*self._totals)
+
+    @property
+    def last_error_bound(self):
+        """A rigorous upper bound on |result_i - exact_i| over the last
+        call's result values i that are finite, exact being the infinitely
+        precise reduction of the inputs as given; the same float on every
+        rank (for Reduce_scatter_block: over every rank's result).  0 where
+        the result is exact (one rank, MAX, MIN, integers, Allgather
+        through MPI); Inf where none is known (an exact float SUM with
+        check=False or through MPI's own persistent request, PROD).
+        None before the first call.  docs/ERROR.md derives it."""
+        info = self.last_call
+        return None if info is None else info.error_bound
+
+    def block_bounds(self, out=None):
+        """The last call's error bound per block of its result: element j
+        bounds |result_i - exact_i| for the finite values i in [j*B,
+        (j+1)*B), B = block_size, counted from the start of this rank's
+        result (Reduce_scatter_block: its m values).  Local (no message);
+        valid until the next call, whose workspace it reads.  Fills and
+        returns ``out`` (float64, ceil(n/B) values) if given, else a new
+        array."""
+        with self._lock:
+            rec = self._blocks
+        if rec is None:
+            raise ValueError("equarx_mpi: block_bounds needs a finished call first")
+        b = rec.blocks()
+        if out is None:
+            return b
+        if not (isinstance(out, np.ndarray) and out.dtype == np.float64
+                and out.shape == b.shape):
+            raise ValueError(f"equarx_mpi: block_bounds fills a float64 array of shape "
+                             f"{b.shape}, not {getattr(out, 'shape', type(out).__name__)} "
+                             f"{getattr(out, 'dtype', '')}".rstrip())
+        out[...] = b
+        return out
 
     # --- lifetime -----------------------------------------------------------
     def free(self):
@@ -230,7 +281,8 @@ class QuantizedComm:
         happen once, here; each ``Start()`` of the returned request queues
         the call, ``Wait()`` completes it (nonblocking.PersistentRequest)."""
         return PersistentRequest(self._exec, self._execute,
-                                 self._prepare("Allreduce", sendbuf, recvbuf, op))
+                                 self._prepare("Allreduce", sendbuf, recvbuf, op,
+                                               persistent=True))
 
     def allreduce(self, x, op=MPI.SUM):
         """A new array with x's shape and dtype holding op over ranks of x."""
@@ -256,10 +308,13 @@ class QuantizedComm:
         self._exec.run(self._execute, self._prepare("Allgather", sendbuf, recvbuf, None))
 
     # --- internals --------------------------------------------------------------
-    def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False):
+    def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False, persistent=False):
         """Checks agreed across ranks, and the choice of path: a Call.
         With opaque_ok (a wrapped communicator) a buffer only MPI can read
-        gives a Call with recv OPAQUE, for MPI to run unchanged."""
+        gives a Call with recv OPAQUE, for MPI to run unchanged.  An exact
+        float sum's error bound needs the largest input magnitude, agreed
+        with the rest; ``persistent``: the values come later, so each run
+        finds it (_execute)."""
         if self._comm is None:
             raise ValueError("equarx_mpi: this QuantizedComm has been freed")
         P = self._size
@@ -274,20 +329,35 @@ class QuantizedComm:
             else:
                 method, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
                                                P, self.layout)
+        dtype = None if err is not None or recv is OPAQUE else recv.dtype
+        needs_most = method in policy.EXACT and exact.sums_floats(what, name, dtype, P)
+        most = None
+        if needs_most and self.check and not persistent and nbytes:
+            most = exact.largest(recv if send is None else send)
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
-            agree(self._ctl, what, meta + [("method", method)], err)
+            most = agree(self._ctl, what, meta + [("method", method)], err, most)
         elif err is not None:
             raise err
-        return Call(what, send, recv, op, name, method, reason, nbytes)
+        c = Call(what, send, recv, op, name, method, reason, nbytes)
+        if method in policy.EXACT and not (needs_most and persistent and self.check):
+            c.bound = exact.error_bound(what, name, dtype, P, most) if nbytes else 0.0
+        return c
 
     def _execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
         t0, sent0, P = time.perf_counter(), self._comm.sent, self._size
         self._comm.polite = self._exec.in_thread()
         if c.quantize:
-            fixed = self._quantized(c)
+            fixed, err, rec = self._quantized(c)
             return self._record(c, CallInfo(c.what, c.method, self.wire, c.reason, fixed,
-                                            self._comm.sent - sent0, time.perf_counter() - t0))
+                                            self._comm.sent - sent0, time.perf_counter() - t0,
+                                            err), rec)
+        err = c.bound
+        if err is None:       # a persistent exact sum: the values are there now
+            most = np.array([bound.to_bits(exact.largest(
+                c.recv if c.send is None else c.send))], np.int64)
+            self._comm.Allreduce(MPI.IN_PLACE, most, MPI.MAX)
+            err = exact.error_bound(c.what, c.name, c.recv.dtype, P, bound.from_bits(most[0]))
         if c.method == "shm":
             self._window().allreduce(c.send, c.recv, c.op)
         elif P == 1:
@@ -299,7 +369,7 @@ class QuantizedComm:
             exact.collective(self._comm, c.what, c.send, c.recv, c.op)
         return self._record(c, CallInfo(c.what, c.method, None, c.reason, 0,
                                         uncompressed_bytes(c.what, c.nbytes, P),
-                                        time.perf_counter() - t0))
+                                        time.perf_counter() - t0, err))
 
     def _timed(self, c, fn):
         """fn(): MPI's own call for c, made by a wrapped communicator with
@@ -308,11 +378,23 @@ class QuantizedComm:
         result = fn()
         self._record(c, CallInfo(c.what, "mpi", None, c.reason, 0,
                                  uncompressed_bytes(c.what, c.nbytes, self._size),
-                                 time.perf_counter() - t0))
+                                 time.perf_counter() - t0,
+                                 math.inf if c.bound is None else c.bound))
         return result
 
-    def _record(self, c, info):
-        """Note a finished call: last_call, the totals, the log line."""
+    def _result_size(self, c):
+        """Values of this rank's result."""
+        if c.recv is OPAQUE:
+            return 0
+        if c.what == "Reduce_scatter_block" and c.send is None:
+            return c.recv.size // self._size
+        return c.recv.size
+
+    def _record(self, c, info, rec=None):
+        """Note a finished call: last_call, the totals, the log line, and
+        what block_bounds needs (``rec``; exact calls: their one bound)."""
+        if rec is None:
+            rec = bound.Record.constant(self._result_size(c), self.block_size, info.error_bound)
         with self._lock:
             t = self._totals
             t[0] += 1
@@ -321,6 +403,7 @@ class QuantizedComm:
             t[3] += uncompressed_bytes(c.what, c.nbytes, self._size)
             t[4] += info.seconds
             self.last_call = info
+            self._blocks = rec
         if self._log:
             what = "?" if c.recv is OPAQUE else f"{c.nbytes} B {c.recv.dtype.name}"
             path = f"{info.method}/{info.wire}" if info.wire else info.method
@@ -331,22 +414,28 @@ class QuantizedComm:
         return info
 
     def _quantized(self, c):
-        """Run a quantized call; returns the values reduced exactly after it."""
+        """Run a quantized call; returns (the values reduced exactly after
+        it, the error bound, a bound.Record for block_bounds)."""
         e = self._engine
         if c.what == "Allgather":
-            return e.allgather(c.send, c.recv)
+            return e.allgather(c.send, c.recv) + (e.record,)
         if c.what == "Reduce_scatter_block":
-            return e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op)
+            return e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op) + (e.record,)
         if c.method != "hierarchical":
-            return e.allreduce(c.method, c.send, c.recv, c.name, c.op)
+            return e.allreduce(c.method, c.send, c.recv, c.name, c.op) + (e.record,)
         hier, between = self._hierarchy()
         fixed = [0]
 
-        def across(comm, mine):
-            fixed[0] += between.allreduce(_INNER[self.wire in formats.MANY_INPUT_WIRES], None,
-                                          mine.reshape(-1), c.name, c.op)
-        hier.allreduce(c.recv if c.send is None else c.send, c.recv, c.op, across)
-        return fixed[0]
+        def across(comm, mine, e_own):
+            f, err = between.allreduce(_INNER[self.wire in formats.MANY_INPUT_WIRES], None,
+                                       mine.reshape(-1), c.name, c.op, e_own)
+            fixed[0] += f
+            return err
+        err, slices = hier.allreduce(c.recv if c.send is None else c.send, c.recv, c.op, across)
+        B = self.block_size
+        rec = bound.Record(c.recv.size, B, [(lo, hi, np.full(-(-(hi - lo) // B), b))
+                                            for lo, hi, b in slices if hi > lo])
+        return fixed[0], err, rec
 
     def _window(self):
         """The shared window of the exact one-node method (made on first use)."""

@@ -1,12 +1,14 @@
 """Quantized schedules on one communicator: a format per input type, a plan
-per message shape, one workspace, and the exact fix-up of flagged blocks.
-QuantizedComm runs one on its duplicate of the caller's communicator; the
-hierarchical schedule one more on the communicator between nodes."""
+per message shape, one workspace, the exact fix-up of flagged blocks, and
+the error bound of each call (bound.py).  QuantizedComm runs one on its
+duplicate of the caller's communicator; the hierarchical schedule one more
+on the communicator between nodes."""
 import collections
+import math
 
 import numpy as np
 
-from . import exact, formats, policy, ring, two_shot
+from . import bound, exact, formats, policy, ring, two_shot
 from .validate import BFLOAT16
 
 #: the quantized schedules, by algorithm name
@@ -41,12 +43,20 @@ def warm(fmt, kdtype):
     fmt.decode_reduce_encode(src, w, w, policy.KERNEL_OP["sum"], policy.ROUNDING["sum"])
     if hasattr(fmt, "decode_reduce_many"):
         two_shot.warm(fmt, kdtype)
+    bound.warm()
 
 
 class Engine:
     """Runs the quantized collectives of ``opts`` on ``comm`` (which must not
     carry other traffic of the same tag).  ``compile_first``: this rank
-    compiles the kernels before the others of its node read numba's cache."""
+    compiles the kernels before the others of its node read numba's cache.
+
+    Each collective returns (values reduced exactly afterwards, error
+    bound): the bound, the same on every rank, holds for every value of the
+    result that is finite (docs/ERROR.md); ``record`` (a bound.Record) then
+    gives it per block, until the next call.  ``keep_bounds = False`` skips
+    the bookkeeping (bound NaN): only to measure what it costs."""
+    keep_bounds = True
 
     def __init__(self, comm, opts, one_node, compile_first):
         self.comm, self.opts, self.one_node = comm, opts, one_node
@@ -55,21 +65,23 @@ class Engine:
         self._formats = {}
         self._plans = collections.OrderedDict()
         self._ws = np.empty(0, np.uint8)
+        self.record = None
 
     def free(self):
         self._plans.clear()
         self._ws = None
 
-    def allreduce(self, algorithm, send, recv, name, op):
+    def allreduce(self, algorithm, send, recv, name, op, e_own=0.0):
         """recv = op over ranks of send (None: recv's values); flat arrays.
-        Returns the number of values reduced exactly afterwards."""
+        ``e_own`` bounds the error this rank's input already carries."""
         own = recv if send is None else send
         n, B, P = recv.size, self.opts["block_size"], self.P
         nb = -(-n // B)
         edges = [min(s * nb // P * B, n) for s in range(P + 1)]
         shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
-        ranges = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0)
-        return exact.fix_allreduce(self.comm, ranges, own, recv, op)
+        ranges, tally = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0, e_own)
+        fixed, fix = exact.fix_allreduce(self.comm, ranges, own, recv, op, e_own)
+        return fixed, self._bound(tally, fix, n, 0)
 
     def reduce_scatter(self, algorithm, send, recv, name, op):
         P, r = self.P, self.rank
@@ -77,12 +89,15 @@ class Engine:
         m = own.size // P
         # in place the result is staged, so the input survives for a fix-up
         out = recv[:m] if send is not None else np.empty(m, recv.dtype)
-        ranges = self._run(algorithm, "reduce_scatter", [(s * m, m) for s in range(P)], own,
-                           out, name, 0, r * m)
-        fixed = exact.fix_reduce_scatter(self.comm, ranges, own, out, op, r, m)
+        ranges, tally = self._run(algorithm, "reduce_scatter", [(s * m, m) for s in range(P)],
+                                  own, out, name, 0, r * m)
+        # each rank's result is its own: the fix-up's agreement shares the bounds
+        fixed, fix, most = exact.fix_reduce_scatter(self.comm, ranges, own, out, op, r, m,
+                                                    tally.finish() if tally else 0.0)
         if send is None:
             recv[:m] = out
-        return fixed
+        self._set_record(tally, fix, m, r * m)
+        return fixed, math.nan if tally is None else max(most, fix)
 
     def allgather(self, send, recv):
         """Each value is quantized once by its owner: every algorithm forwards
@@ -90,9 +105,23 @@ class Engine:
         P, r = self.P, self.rank
         m = recv.size // P
         own = recv[r * m:(r + 1) * m] if send is None else send
-        ranges = self._run("ring", "allgather", [(s * m, m) for s in range(P)], own, recv,
-                           "sum", r * m, 0)
-        return exact.fix_allgather(self.comm, ranges, own, recv, r)
+        ranges, tally = self._run("ring", "allgather", [(s * m, m) for s in range(P)], own,
+                                  recv, "sum", r * m, 0)
+        # flagged blocks travel exactly (their owner's bits)
+        return exact.fix_allgather(self.comm, ranges, own, recv, r), self._bound(
+            tally, 0.0, recv.size, 0)
+
+    def _set_record(self, tally, fix, n, offset):
+        """Keep what the per-block bounds of this call need; whether any."""
+        self.record = None if tally is None else bound.Record(
+            n, self.opts["block_size"], lambda: tally.segments(fix), offset)
+        return tally is not None
+
+    def _bound(self, tally, fix, n, offset):
+        """The call's bound: its schedule's and its fix-up's."""
+        if not self._set_record(tally, fix, n, offset):
+            return math.nan
+        return max(tally.finish(), fix)
 
     def _format(self, kdtype):
         fmt = self._formats.get(kdtype.str)
@@ -114,9 +143,10 @@ class Engine:
             self._ws = np.empty(nbytes, np.uint8)
         return self._ws
 
-    def _run(self, algorithm, kind, shards, own, out, name, own_offset, out_offset):
+    def _run(self, algorithm, kind, shards, own, out, name, own_offset, out_offset,
+             e_own=0.0):
         """Run a schedule; own and out are the caller's arrays.  Returns the
-        flagged ranges."""
+        flagged ranges and the bound.Tally (None without keep_bounds)."""
         own = kernel_view(own, writable=False)
         out = kernel_view(out, writable=True)
         fmt = self._format(own.dtype)
@@ -133,5 +163,9 @@ class Engine:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
-        return schedule.run(self.comm, plan, fmt, own, out, policy.KERNEL_OP[name],
-                            policy.ROUNDING[name], own_offset, out_offset)
+        rmode = policy.ROUNDING[name]
+        tally = bound.Tally(fmt, own.dtype, name == "sum", rmode, e_own) \
+            if self.keep_bounds else None
+        ranges = schedule.run(self.comm, plan, fmt, own, out, policy.KERNEL_OP[name], rmode,
+                              own_offset, out_offset, tally)
+        return ranges, tally

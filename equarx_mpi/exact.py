@@ -8,10 +8,19 @@ with the MPI collective.  Such blocks get exactly what MPI gives: Inf and
 NaN with their sign and NaN payload, -0.0, finite values exact.  For an
 Allreduce or Allgather every rank decoded the same bytes, so every rank
 knows the same flagged blocks with no extra message; a Reduce_scatter_block
-result is not shared, so it agrees on them with one tiny Allreduce."""
+result is not shared, so it agrees on them with one tiny Allreduce.
+
+Error bounds (docs/ERROR.md): MPI's sum of P values is off by at most
+gamma_{P-1} sum |x_r| (bound.mpi_sum).  A fix-up of a SUM bounds the sum of
+magnitudes by sending two more values in its own Allreduce: each rank's
+largest magnitude among the values it contributes (summed: at least every
+position's sum of magnitudes) and the error its input already carries."""
+import math
+
 import numpy as np
 from mpi4py import MPI
 
+from . import bound
 from .validate import BFLOAT16
 
 _HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
@@ -51,16 +60,40 @@ def _indices(ranges):
     return np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in sorted(ranges)])
 
 
-def fix_allreduce(comm, ranges, src, out, op):
+def _with_bound(vals, op, e_own):
+    """vals, and for a SUM two more: this rank's largest finite magnitude
+    among them and e_own, both rounded up to vals' type."""
+    if op != MPI.SUM:
+        return vals
+    v = np.abs(vals.astype(np.float64))
+    most = float(v[np.isfinite(v)].max(initial=0.0))
+    out = np.empty(vals.size + 2, vals.dtype)
+    out[:-2] = vals
+    out[-2], out[-1] = bound.up(vals.dtype, most), bound.up(vals.dtype, e_own)
+    return out
+
+
+def _fix_bound(vals, k, op, P):
+    """The bound of the exact reduction of vals[:k] (see _with_bound)."""
+    if op != MPI.SUM:
+        return 0.0
+    S = bound.sum_of_nonnegatives(vals[k], P, vals.dtype)
+    e = bound.sum_of_nonnegatives(vals[k + 1], P, vals.dtype)
+    return bound.mpi_sum(vals.dtype, P, S) + e
+
+
+def fix_allreduce(comm, ranges, src, out, op, e_own=0.0):
     """out[i] = the MPI reduction of src[i] for every i in ``ranges`` (the
-    same list on every rank); src and out are flat and may be the same."""
+    same list on every rank); src and out are flat and may be the same.
+    Returns (values reduced, their error bound); ``e_own`` bounds the
+    error src already carries."""
     if not ranges:
-        return 0
+        return 0, 0.0
     idx = _indices(ranges)
-    vals = src[idx]
+    vals = _with_bound(src[idx], op, e_own)
     collective(comm, "Allreduce", None, vals, op)
-    out[idx] = vals
-    return idx.size
+    out[idx] = vals[:idx.size]
+    return idx.size, _fix_bound(vals, idx.size, op, comm.Get_size())
 
 
 def fix_allgather(comm, ranges, own, out, rank):
@@ -80,18 +113,63 @@ def fix_allgather(comm, ranges, own, out, rank):
     return idx.size
 
 
-def fix_reduce_scatter(comm, ranges, src, out, op, rank, m):
+def fix_reduce_scatter(comm, ranges, src, out, op, rank, m, local):
     """Like fix_allreduce for a Reduce_scatter_block: ``ranges`` are this
     rank's own flagged positions (in src's numbering; this rank's result
-    covers src[rank*m:(rank+1)*m] and lives in out[:m])."""
-    flag = np.array([len(ranges)], np.int64)
+    covers src[rank*m:(rank+1)*m] and lives in out[:m]).  ``local`` is the
+    error bound of this rank's other values.  Returns (values reduced,
+    their bound, the largest ``local`` of any rank)."""
+    flag = np.array([len(ranges), bound.to_bits(local)], np.int64)
     comm.Allreduce(MPI.IN_PLACE, flag, MPI.MAX)
+    most = bound.from_bits(flag[1])
     if not flag[0]:
-        return 0
+        return 0, 0.0, most
     every = sorted({r for ranks in comm.allgather(ranges) for r in ranks})
     idx = _indices(every)
-    vals = src[idx]
+    vals = _with_bound(src[idx], op, 0.0)
     collective(comm, "Allreduce", None, vals, op)
     mine = (idx >= rank * m) & (idx < (rank + 1) * m)
-    out[idx[mine] - rank * m] = vals[mine]
-    return idx.size
+    out[idx[mine] - rank * m] = vals[:idx.size][mine]
+    return idx.size, _fix_bound(vals, idx.size, op, comm.Get_size()), most
+
+
+#: ops whose MPI result is exact (no rounding)
+_EXACT_OPS = ("max", "min", "MAXLOC", "MINLOC", "LAND", "BAND", "LOR", "BOR", "LXOR", "BXOR",
+              "REPLACE", "NO_OP")
+
+
+def sums_floats(what, opname, dtype, P):
+    """Whether an exact call adds floats (its bound needs the inputs'
+    largest magnitude)."""
+    return (P > 1 and what != "Allgather" and dtype is not None and opname == "sum"
+            and np.dtype(dtype).kind in "fc")
+
+
+def error_bound(what, opname, dtype, P, most):
+    """The error bound of an exact call: 0 where MPI's result is exact (one
+    rank, Allgather, MAX, MIN, integers: exact unless they overflow); for a
+    float or complex SUM MPI's own summation bound, from ``most``, the
+    largest finite input magnitude on any rank (None: not known, Inf);
+    Inf for any other op on floats (PROD, user-defined) or an unknown
+    dtype (None)."""
+    if P == 1 or what == "Allgather":
+        return 0.0
+    if dtype is None:
+        return math.inf
+    if np.dtype(dtype).kind not in "fc" or opname in _EXACT_OPS:
+        return 0.0
+    if opname != "sum" or most is None:
+        return math.inf
+    return bound.mpi_sum(dtype, P, P * most)
+
+
+def largest(a):
+    """The largest finite magnitude of a flat float or complex array (its
+    components), in one pass."""
+    if a.dtype.kind == "c":
+        a = a.view(np.dtype(f"f{a.dtype.itemsize // 2}"))
+    kd = bound.kernel_dtype(a.dtype)
+    if kd in bound.ROUNDING:
+        return bound.largest(a.view(kd))
+    v = np.abs(a)                       # long double: beyond float64 gives Inf
+    return float(v[np.isfinite(v)].max(initial=0))

@@ -22,9 +22,21 @@ Decodes skip (leave untouched) the blocks holding Inf or NaN, or whose
 values would overflow out's type, and return their indices (valid until
 the next decode); the caller reduces those blocks exactly (exact.py).  A piece's bytes are
 padded to a multiple of 8 so the next piece's views stay aligned.
+
+Error bounds (bound.py, docs/ERROR.md), from a piece's headers (plain
+wires: from one pass over its values):
+
+    piece_error(w, rmode, limit) -> (q, m)   q bounds |x - D(Q(x))| and m
+        |x| for every value x of the blocks a decode keeps (finite, below
+        ``limit``: out's overflow threshold, for block formats); floats
+    block_errors(w, rmode) -> (q, m)         the same per block (arrays;
+        m is Inf for a flagged block); None: no bound (Inf)
 """
+import math
+
 import numpy as np
 
+from . import bound
 from . import kernels as K
 
 WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine")
@@ -53,9 +65,27 @@ def acc_dtype(kdtype):
     return np.dtype(np.float64) if kdtype == np.float64 else np.dtype(np.float32)
 
 
+def _largest_below(h, limit):
+    """The largest of the nonnegative h below limit (0 if none)."""
+    a = float(h.max()) if h.size else 0.0
+    if not a < limit:               # a flagged block, or one the decode skips
+        h = h[h < limit]
+        a = float(h.max()) if h.size else 0.0
+    return a
+
+
 class _Format:
     #: codes two per byte: blocks must then start on a byte
     nibbles = False
+    #: whether decoding into a 16-bit output rounds (not for plain 16-bit wires)
+    decode_rounds = True
+
+    def piece_error(self, w, rmode, limit=math.inf):
+        """A format without its own bound reports none (Inf)."""
+        return math.inf, math.inf
+
+    def block_errors(self, w, rmode):
+        return None
 
     def __init__(self, block, kdtype):
         if self.nibbles and block % 2:
@@ -72,14 +102,34 @@ class _Format:
         return self._skipped
 
 
-class Int8Block(_Format):
-    """Dynamic block-wise symmetric int8: per block its largest magnitude
-    in the accumulation type, then the int8 codes (docs/FORMAT.md)."""
-    name = "int8"
+class _Symmetric(_Format):
+    """A block format whose header is the block's largest magnitude ``a``
+    and whose quantization error is at most coef * a + eta (docs/FORMAT.md):
+    coef from ``_coefs(u)`` = (to nearest, directed)."""
 
     def __init__(self, block, kdtype):
         super().__init__(block, kdtype)
         self.head = acc_dtype(kdtype)
+        u, self._eta = bound.acc_rounding(self.head)
+        self._coef = self._coefs(u)
+
+    def block_errors(self, w, rmode):
+        a = w[0].astype(np.float64)
+        return self._coef[rmode != K.ROUND_NEAREST] * a + self._eta, a
+
+    def piece_error(self, w, rmode, limit=math.inf):
+        a = _largest_below(w[0], limit)
+        return self._coef[rmode != K.ROUND_NEAREST] * a + self._eta, a
+
+
+class Int8Block(_Symmetric):
+    """Dynamic block-wise symmetric int8: per block its largest magnitude
+    in the accumulation type, then the int8 codes (docs/FORMAT.md)."""
+    name = "int8"
+
+    @staticmethod
+    def _coefs(u):
+        return (0.5 + 640 * u) / 127, (1 + 640 * u) / 127
 
     def nbytes(self, n):
         return pad8(self.head.itemsize * -(-n // self.block) + n)
@@ -104,9 +154,10 @@ class Int8Block(_Format):
         K.i8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
                                   self.scratch, rmode)
 
-    def stack_views(self, buf, n, count):
-        # (headers, one row each; whole messages as int8 rows; where codes start)
-        size = self.nbytes(n)
+    def stack_views(self, buf, n, count, stride=None):
+        # (headers, one row each; whole messages as int8 rows; where codes
+        # start); messages ``stride`` bytes apart (default: back to back)
+        size = stride or self.nbytes(n)
         rows = buf[:count * size].reshape(count, size)
         h = self.head.itemsize * -(-n // self.block)
         return rows[:, :h].view(self.head), rows.view(np.int8), h
@@ -122,15 +173,15 @@ class Int8Block(_Format):
 
 
 
-class Int4Block(_Format):
+class Int4Block(_Symmetric):
     """Symmetric int4, two codes per byte: per block its largest magnitude
     in the accumulation type, then the codes (kernels/int4.py)."""
     name = "int4"
     nibbles = True
 
-    def __init__(self, block, kdtype):
-        super().__init__(block, kdtype)
-        self.head = acc_dtype(kdtype)
+    @staticmethod
+    def _coefs(u):
+        return (0.5 + 40 * u) / 7, (1 + 40 * u) / 7
 
     def nbytes(self, n):
         return pad8(self.head.itemsize * -(-n // self.block) + (n + 1) // 2)
@@ -156,15 +207,16 @@ class Int4Block(_Format):
                                   self.scratch, rmode)
 
 
-class Fp8Block(_Format):
+class Fp8Block(_Symmetric):
     """e4m3 codes scaled per block so its largest magnitude maps to 448:
     per block that magnitude in the accumulation type, then one code byte
     per value (kernels/fp8.py)."""
     name = "fp8"
 
-    def __init__(self, block, kdtype):
-        super().__init__(block, kdtype)
-        self.head = acc_dtype(kdtype)
+    @staticmethod
+    def _coefs(u):
+        # relative per value (|x| <= a) plus the subnormal codes' spacing
+        return 1 / 17 + 6 * u + (1 + 4 * u) / 458752, 1 / 8 + 16 * u + (1 + 4 * u) / 229376
 
     def nbytes(self, n):
         return pad8(self.head.itemsize * -(-n // self.block) + n)
@@ -203,6 +255,25 @@ class AffineBlock(_Format):
         self.levels = 15 if self.nibbles else 255
         self.head = acc_dtype(kdtype)
         self.scratch = np.empty(2 * block, self.head)     # values and their codes
+        u, self._eta = bound.acc_rounding(self.head)
+        L = self.levels
+        # (range / 2, largest magnitude) coefficients, to nearest and directed
+        self._coef = ((1 / L + 32 * u, 2 * u), (2 / L + 64 * u, 4 * u))
+
+    def block_errors(self, w, rmode):
+        h = w[0].astype(np.float64)
+        lo, hi = h[0::2], h[1::2]
+        M = np.maximum(-lo, hi)                 # max(|lo|, |hi|), as lo <= hi
+        c_range, c_mag = self._coef[rmode != K.ROUND_NEAREST]
+        # half the range without overflow; one more eta for its rounding
+        return (hi * 0.5 - lo * 0.5) * c_range + c_mag * M + 3 * self._eta, M
+
+    def piece_error(self, w, rmode, limit=math.inf):
+        q, M = self.block_errors(w, rmode)
+        keep = M < limit
+        if not keep.all():
+            q, M = q[keep], M[keep]
+        return (float(q.max()), float(M.max())) if q.size else (0.0, 0.0)
 
     def _code_bytes(self, n):
         return (n + 1) // 2 if self.nibbles else n
@@ -244,6 +315,26 @@ class Plain(_Format):
             self.wire = np.dtype(np.float32)
         else:
             self.wire = np.dtype(np.int16 if kdtype == np.int16 else np.uint16)
+        self.decode_rounds = self.wire.itemsize != 2
+        # rounding to the wire type: none from float32 to float32, twice
+        # from float64 to 16 bits (through float32), else once
+        acc = acc_dtype(kdtype)
+        u, eta = bound.ROUNDING[self.wire]
+        times = 0 if self.wire == acc else 2 if acc == np.float64 and self.wire.itemsize == 2 else 1
+        self._round = (times * u, times * eta)
+
+    def block_errors(self, w, rmode):
+        mag = bound.block_magnitudes(w, self.block)   # Inf where Inf or NaN is inside
+        q = self._round[0] * mag + self._round[1]
+        return q, mag + q
+
+    def piece_error(self, w, rmode, limit=math.inf):
+        # the decode skips only blocks holding Inf or NaN
+        q, m = self.block_errors(w, rmode)
+        keep = m < math.inf
+        if not keep.all():
+            q, m = q[keep], m[keep]
+        return (float(q.max()), float(m.max())) if q.size else (0.0, 0.0)
 
     def nbytes(self, n):
         return pad8(n * self.wire.itemsize)
@@ -266,8 +357,8 @@ class Plain(_Format):
     def decode_reduce_encode(self, own, wi, wo, op, rmode):
         K.plain_decode_reduce_encode(own, wi, wo, op)
 
-    def stack_views(self, buf, n, count):
-        size = self.nbytes(n)
+    def stack_views(self, buf, n, count, stride=None):
+        size = stride or self.nbytes(n)
         return buf[:count * size].view(self.wire).reshape(count, size // self.wire.itemsize)
 
     def decode_reduce_many(self, own, pos, ws, out, op):

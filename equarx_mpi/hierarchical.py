@@ -18,9 +18,21 @@ a 16-bit result is caught by step 2's decode like any other.  Nodes must
 hold the same number of ranks; ``usable`` says whether they do.
 EQUARX_MPI_FAKE_NODES fakes a layout ("2x2": ranks 0-1 and 2-3 as two
 nodes) so tests cover it on one machine.
+
+Error bound (docs/ERROR.md): a node sum of L values is off by at most
+bound.mpi_sum(dtype, L, S), S the sum over local ranks of each one's
+largest magnitude in the slice (one pass over each rank's input); the
+quantized step between nodes carries that as its input's error, so its
+bound covers both.  Ranks share the per-slice numbers through a small
+shared window of their own, at the synchronizations steps 1 and 3 already
+make: no extra message.
 """
+import math
+
+import numpy as np
 from mpi4py import MPI
 
+from . import bound
 from .shm import ShmAllreduce, split_nodes
 
 
@@ -36,11 +48,24 @@ class Hierarchy:
         leader = local.bcast(comm.Get_rank())          # names the node
         self.inter = comm.Split(local.Get_rank(), leader)
         self.nodes = self.inter.Get_size()
-        self.ranks_per_node = local.Get_size()
+        self.ranks_per_node = L = local.Get_size()
         self.shm = ShmAllreduce(local) if self.usable else None
+        self._win = None
+        if self.usable:
+            # row k: node rank k's largest magnitude in every slice, then
+            # the bound of its slice
+            nbytes = 8 * L * (L + 1) if local.Get_rank() == 0 else 0
+            self._win = MPI.Win.Allocate_shared(nbytes, 8, comm=local)
+            mem, _ = self._win.Shared_query(0)
+            self._table = np.frombuffer(mem, np.float64, L * (L + 1)).reshape(L, L + 1)
+            self._win.Lock_all(MPI.MODE_NOCHECK)      # Sync is defined inside an epoch
         local.Free()
 
     def free(self):
+        if self._win is not None:
+            self._win.Unlock_all()
+            self._win.Free()
+            self._win = None
         if self.shm is not None:
             self.shm.free()
             self.shm = None
@@ -49,11 +74,29 @@ class Hierarchy:
             self.inter = None
 
     def allreduce(self, src, recv, op, between_nodes):
-        """recv = op over every rank of src (src may be recv itself).
-        ``between_nodes(comm, values)`` reduces a node's slice over the
-        communicator of one rank per node, in place; every rank of that
-        communicator holds a slice of the same size."""
-        mine = self.shm.reduce_scatter(src, op)
-        if self.nodes > 1 and mine.size:
-            between_nodes(self.inter, mine)
-        self.shm.allgather(recv)
+        """recv = op over every rank of src (src may be recv itself), flat.
+        ``between_nodes(comm, values, e)`` reduces a node's slice over the
+        communicator of one rank per node, in place, and returns its error
+        bound, given e, the bound of the values' own error; every rank of
+        that communicator holds a slice of the same size.  Returns (the
+        error bound of recv, the same on every rank; per slice (lo, hi,
+        bound))."""
+        L, me, n = self.ranks_per_node, self.shm.rank, src.size
+        slices = [self.shm.bounds(n, src.dtype, k) for k in range(L)]
+        sums = op == MPI.SUM and L > 1     # a node's MAX or MIN is exact
+        table = self._table
+        if sums:
+            kd = bound.kernel_dtype(src.dtype)
+            table[me, :L] = [bound.largest(src[lo:hi].view(kd)) for lo, hi in slices]
+            self._win.Sync()
+        mine = self.shm.reduce_scatter(src, op)        # synchronizes: rows written before
+        e = 0.0
+        if sums:
+            self._win.Sync()
+            e = bound.mpi_sum(src.dtype, L, math.fsum(table[:, me]) * bound.SLACK)
+        table[me, L] = between_nodes(self.inter, mine, e) if self.nodes > 1 and mine.size else e
+        self._win.Sync()
+        self.shm.allgather(recv)                       # synchronizes: bounds written before
+        self._win.Sync()
+        per_slice = [(lo, hi, float(table[k, L])) for k, (lo, hi) in enumerate(slices)]
+        return max(b for _, _, b in per_slice), per_slice

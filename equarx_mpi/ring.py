@@ -14,21 +14,41 @@ forwarded as soon as it is reduced (chunks of consecutive steps overlap).
 All receives are posted up front into their own workspace slots.  Each link
 carries messages in one order on both sides, so one tag suffices (MPI's
 non-overtaking rule matches them in order).
+
+Every message ends in the error bound of its values (bound.TRAILER): each
+hop adds its own rounding to the trailer it received (bound.Tally), so the
+all-gathered trailers bound the result, the same on every rank.
 """
 import sys
 
+import numpy as np
 from mpi4py import MPI
+
+from .bound import TRAILER
 
 TAG = 7
 
 
 class Piece:
     """Elements [lo, hi) of the caller's array, and the workspace bytes
-    (``buf``) and kernel views (``w``) that carry them."""
-    __slots__ = ("lo", "hi", "buf", "w")
+    (``buf``: the message, its trailer last), kernel views (``w``) and
+    trailer (``t``, three float64) that carry them."""
+    __slots__ = ("lo", "hi", "buf", "w", "t")
 
     def __init__(self, lo, hi, buf, w):
         self.lo, self.hi, self.buf, self.w = lo, hi, buf, w
+        self.t = buf[buf.size - TRAILER:].view(np.float64)
+
+
+def message_bytes(fmt, n):
+    """Bytes of the message carrying n values: the format's, then the trailer."""
+    return fmt.nbytes(n) + TRAILER
+
+
+def blocks_per_message(fmt, block, max_piece_bytes):
+    """The most whole blocks one message of at most max_piece_bytes holds
+    (at least one: options.py checks that one block fits)."""
+    return max(1, (max_piece_bytes - TRAILER) // fmt.nbytes(block))
 
 
 def split_blocks(length, block, pieces):
@@ -52,7 +72,7 @@ class Plan:
         P = len(shards)
         self.kind, self.P, self.rank = kind, P, rank
         cuts = []
-        most = max(1, max_piece_bytes // fmt.nbytes(block))   # blocks per message
+        most = blocks_per_message(fmt, block, max_piece_bytes)
         for off, length in shards:
             blocks = -(-length // block)
             want = max(chunks, -(-blocks // most))
@@ -63,7 +83,7 @@ class Plan:
             offs, at = [], 0
             for lo, hi in pieces:
                 offs.append(at)
-                at += fmt.nbytes(hi - lo)
+                at += message_bytes(fmt, hi - lo)
             layout.append((offs, at))
         slot = max(total for _, total in layout)
         nslots = {"allreduce": 2 * P, "reduce_scatter": P, "allgather": P}[kind]
@@ -74,7 +94,7 @@ class Plan:
             base = k * slot
             out = []
             for (lo, hi), b in zip(cuts[s], layout[s][0]):
-                nb = fmt.nbytes(hi - lo)
+                nb = message_bytes(fmt, hi - lo)
                 buf = ws[base + b:base + b + nb]
                 out.append(Piece(lo, hi, buf, fmt.views(buf, hi - lo)))
             return out
@@ -100,13 +120,14 @@ def _fail(comm, exc):
     comm.Abort(1)
 
 
-def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0):
+def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0, tally=None):
     """Execute ``plan``.  own is the read-only input and out the output (kernel
     views); own[i] is global element i + own_offset, out[i] is i + out_offset.
     Returns the global (lo, hi) ranges of the blocks the final decodes
-    skipped (flagged: Inf or NaN inside), for an exact fix-up."""
+    skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
+    (a bound.Tally) keeps the error bound; None skips that bookkeeping."""
     try:
-        return _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset)
+        return _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally)
     except BaseException as exc:
         _fail(comm, exc)
         raise
@@ -117,7 +138,7 @@ def block_ranges(p, blocks, B):
     return [(p.lo + int(k) * B, min(p.lo + (int(k) + 1) * B, p.hi)) for k in blocks]
 
 
-def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
+def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
     P = plan.P
     left, right = (plan.rank - 1) % P, (plan.rank + 1) % P
     recvs = [comm.Irecv(p.buf, left, TAG)
@@ -132,27 +153,38 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
 
     for p in plan.rs_first:
         fmt.encode(own[p.lo:p.hi], p.w, rmode)
+        if tally:
+            tally.start(p)
         sends.append(comm.Isend(p.buf, right, TAG))
     for k, step in enumerate(plan.rs_steps):
         last = k == P - 2
         for j, p in enumerate(step):
             next(nxt).Wait()
             mine = own[p.lo:p.hi]
+            e_in = float(p.t[1])     # before the payload is rewritten in place
             if not last:
                 fmt.decode_reduce_encode(mine, p.w, p.w, op, rmode)
+                if tally:
+                    tally.hop(e_in, p)
                 sends.append(comm.Isend(p.buf, right, TAG))
             elif plan.kind == "reduce_scatter":
-                skipped = fmt.decode_reduce(mine, p.w, out[p.lo - out_offset:p.hi - out_offset],
-                                            op)
+                res = out[p.lo - out_offset:p.hi - out_offset]
+                skipped = fmt.decode_reduce(mine, p.w, res, op)
+                if tally:
+                    tally.result(p.lo, p.hi, res, skipped, fmt.block, e_in=e_in)
                 flagged.extend(block_ranges(p, skipped, fmt.block))
             else:
                 q = plan.ag_own[j]
                 fmt.decode_reduce_encode(mine, p.w, q.w, op, rmode)
+                if tally:
+                    tally.hop(e_in, q, final=True)
                 sends.append(comm.Isend(q.buf, right, TAG))
                 decode(q, out[q.lo:q.hi])
     if plan.kind == "allgather":
         for q in plan.ag_own:
             fmt.encode(own[q.lo - own_offset:q.hi - own_offset], q.w, rmode)
+            if tally:
+                tally.start(q, final=True)
             sends.append(comm.Isend(q.buf, right, TAG))
             decode(q, out[q.lo:q.hi])
     for k, step in enumerate(plan.ag_steps):
@@ -160,6 +192,8 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
             next(nxt).Wait()
             if k < P - 2:
                 sends.append(comm.Isend(p.buf, right, TAG))
+            if tally:
+                tally.final.append(p)
             decode(p, out[p.lo:p.hi])
     MPI.Request.Waitall(sends)
     return flagged

@@ -28,7 +28,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import policy
-from .ring import Piece, _fail, block_ranges, split_blocks
+from .ring import (Piece, _fail, block_ranges, blocks_per_message, message_bytes,
+                   split_blocks)
 
 TAG_SCATTER, TAG_GATHER = 11, 12
 
@@ -36,17 +37,19 @@ TAG_SCATTER, TAG_GATHER = 11, 12
 class Stack:
     """Elements [lo, hi) of the owner's shard as received from the P-1 other
     ranks: ``parts`` (sender, message bytes), back to back in one buffer,
-    and ``w`` the format's stacked views of them (rows in rank order)."""
-    __slots__ = ("lo", "hi", "parts", "w")
+    ``w`` the format's stacked views of them (rows in rank order) and
+    ``ts`` their trailers (bound.TRAILER)."""
+    __slots__ = ("lo", "hi", "parts", "w", "ts")
 
     def __init__(self, lo, hi, parts, w):
         self.lo, self.hi, self.parts, self.w = lo, hi, parts, w
+        self.ts = [Piece(lo, hi, buf, None).t for _, buf in parts]
 
 
 def _cuts(fmt, shards, chunks, block, max_piece_bytes):
     """The global (lo, hi) of every piece of every shard, as the ring cuts
     them: ``chunks`` pieces, more if a piece would exceed max_piece_bytes."""
-    most = max(1, max_piece_bytes // fmt.nbytes(block))   # blocks per message
+    most = blocks_per_message(fmt, block, max_piece_bytes)
     cuts = []
     for off, length in shards:
         blocks = -(-length // block)
@@ -73,7 +76,7 @@ class Plan:
         self.kind, self.P, self.rank = kind, P, rank
         cuts = _cuts(fmt, shards, chunks, block, max_piece_bytes)
         others = [(rank + d) % P for d in range(1, P)]     # staggered: not all to rank 0 first
-        size = lambda lo, hi: fmt.nbytes(hi - lo)           # noqa: E731
+        size = lambda lo, hi: message_bytes(fmt, hi - lo)   # noqa: E731
         rest = sum(size(*c) for s in others for c in cuts[s])
         mine = sum(size(*c) for c in cuts[rank])
         total = rest + (P - 1) * mine
@@ -101,7 +104,7 @@ class Plan:
             nb = size(lo, hi)
             buf = take((P - 1) * nb)
             parts = [(q, buf[i * nb:(i + 1) * nb]) for i, q in enumerate(senders)]
-            self.stacks.append(Stack(lo, hi, parts, fmt.stack_views(buf, hi - lo, P - 1)))
+            self.stacks.append(Stack(lo, hi, parts, fmt.stack_views(buf, hi - lo, P - 1, nb)))
         #: this rank's finished shard; then, all-gather step k bringing
         #: shard r-k-1 from the left, as (k, piece)
         ag = kind == "allreduce"
@@ -110,19 +113,21 @@ class Plan:
                         for c in cuts[(rank - k - 1) % P]] if ag else []
 
 
-def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0):
+def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0, tally=None):
     """Execute ``plan``.  own is the read-only input and out the output (kernel
     views); own[i] is global element i + own_offset, out[i] is i + out_offset.
     Returns the global (lo, hi) ranges of the blocks the final decodes
-    skipped (flagged: Inf or NaN inside), for an exact fix-up."""
+    skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
+    (a bound.Tally) keeps the error bound, carried in every message's
+    trailer as in ring.py; None skips that bookkeeping."""
     try:
-        return _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset)
+        return _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally)
     except BaseException as exc:
         _fail(comm, exc)
         raise
 
 
-def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
+def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
     P, r = plan.P, plan.rank
     left, right = (r - 1) % P, (r + 1) % P
     scattered = [[comm.Irecv(buf, q, TAG_SCATTER) for q, buf in st.parts]
@@ -135,6 +140,8 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
         # before any decode writes other shards into out (own, in place).
         for dest, p in plan.sends[j] if j < len(plan.sends) else ():
             fmt.encode(own[p.lo - own_offset:p.hi - own_offset], p.w, rmode)
+            if tally:
+                tally.start(p)
             sends.append(comm.Isend(p.buf, dest, TAG_SCATTER))
 
     def decode(p):
@@ -154,18 +161,24 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset):
         MPI.Request.Waitall(scattered[j])
         mine = own[st.lo - own_offset:st.hi - own_offset]
         if plan.kind == "reduce_scatter":
-            skipped = fmt.decode_reduce_many(mine, r, st.w,
-                                             out[st.lo - out_offset:st.hi - out_offset], op)
+            res = out[st.lo - out_offset:st.hi - out_offset]
+            skipped = fmt.decode_reduce_many(mine, r, st.w, res, op)
+            if tally:
+                tally.result(st.lo, st.hi, res, skipped, fmt.block, trailers=st.ts)
             flagged.extend(block_ranges(st, skipped, fmt.block))
             continue
         q = plan.own[j]
         fmt.decode_reduce_encode_many(mine, r, st.w, q.w, op, rmode)
+        if tally:
+            tally.many(st.ts, q, final=True)
         sends.append(comm.Isend(q.buf, right, TAG_GATHER))
         decode(q)
     for (k, p), req in zip(plan.gathers, gathered):
         req.Wait()
         if k < P - 2:
             sends.append(comm.Isend(p.buf, right, TAG_GATHER))
+        if tally:
+            tally.final.append(p)
         decode(p)
     MPI.Request.Waitall(sends)
     return flagged

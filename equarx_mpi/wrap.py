@@ -145,7 +145,7 @@ class _Wrapped:
 
     def Allreduce_init(self, sendbuf, recvbuf, op=MPI.SUM, info=MPI.INFO_NULL):
         qc = self._equarx()
-        c = qc._prepare("Allreduce", sendbuf, recvbuf, op, opaque_ok=True)
+        c = qc._prepare("Allreduce", sendbuf, recvbuf, op, opaque_ok=True, persistent=True)
         if _runs_here(c):
             return PersistentRequest(qc._exec, qc._execute, c)
         return super().Allreduce_init(_send_arg(c, sendbuf), recvbuf, op, info)
