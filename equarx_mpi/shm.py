@@ -224,8 +224,9 @@ class ShmAllreduce:
             raise TypeError(f"ShmAllreduce.empty: unsupported dtype {dtype}")
         shape = tuple(shape) if np.iterable(shape) else (int(shape),)
         n = math.prod(shape)
-        self.reserve(max(n * dtype.itemsize, 1))
-        self._lent, self._lent_bytes = True, _round_up(n * dtype.itemsize, LINE)
+        lent = _round_up(max(n * dtype.itemsize, 1), LINE)
+        self.reserve(2 * lent)          # room for another input of its size after it
+        self._lent, self._lent_bytes = True, lent
         start = self.rank * self._stride
         return self._mem[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
 
