@@ -86,18 +86,25 @@ def _block_absmax(bits, block, mask, inf, finite_only, out):
     Inf.  Magnitude bits order like magnitudes, so this is integer work
     that vectorizes."""
     n = bits.size
-    zero = mask & 0
+    mx0 = mask ^ mask                   # a zero of the bits type (mask & 0 would be int64)
     for b in range(out.size):
         lo = b * block
         hi = min(lo + block, n)
-        mx = zero
+        mx = mx0
+        # comparisons, not max()/min(): numba may take those of two uint64
+        # through float64, which rounds the bits of float64's largest values
         if finite_only:
             for i in range(lo, hi):
                 x = bits[_U(i)] & mask
-                mx = max(mx, x if x < inf else zero)
+                if x > mx and x < inf:
+                    mx = x
         else:
             for i in range(lo, hi):
-                mx = max(mx, min(bits[_U(i)] & mask, inf))
+                x = bits[_U(i)] & mask
+                if x > mx:
+                    mx = x
+            if mx > inf:
+                mx = inf
         out[b] = mx
 
 
@@ -209,7 +216,8 @@ class Tally:
     def __init__(self, fmt, kdtype, op_sum, rmode, e_own=0.0):
         self.fmt, self.rmode, self.sum, self.e = fmt, rmode, op_sum, float(e_own)
         self.u = acc_rounding(kdtype)[0]
-        self.limit = out_limit(kdtype)
+        #: blocks the final decode keeps have magnitudes below this
+        self.limit = out_limit(kdtype) if fmt.skips_overflow else math.inf
         #: rounding of the final decode into the output type
         self.cast = cast(kdtype) if fmt.decode_rounds else (0.0, 0.0)
         #: rounding of a full-precision reduction stored into the output
@@ -242,12 +250,25 @@ class Tally:
         self._write(p, self._combine((e_in, self.e)), final)
 
     def _many(self, trailers):
-        """(error of the inputs, the additions' rounding factor and the sum
-        of the inputs' magnitudes) for the two-shot owner's P-1 additions:
-        every partial sum is at most |final| + A (docs/ERROR.md)."""
+        """(error of the inputs, number of additions k, A) for the two-shot
+        owner's reduction of own and k decoded messages; A = the sum of the
+        decoded values' largest magnitudes (each message's mag plus its
+        quantization bound)."""
         e = self._combine([float(t[1]) for t in trailers] + [self.e])
-        k = len(trailers)
-        return e, k, sum(float(t[2]) for t in trailers)
+        A = sum(float(t[2]) + (float(t[1]) - float(t[0])) for t in trailers)
+        return e, len(trailers), A
+
+    def _adds(self, k, F, A):
+        """Bound on the rounding of k additions in rank order whose computed
+        result is at most F in magnitude: every exact partial sum is at
+        most 2(|exact result| + A) (own may come last), so the error E <=
+        2uk(F + E + A) / (1 - uk), i.e. E <= 2uk(F + A) / (1 - 3uk)
+        (docs/ERROR.md)."""
+        u = self.u
+        if 3 * k * u >= 1:
+            return math.inf
+        with np.errstate(over="ignore"):            # beyond float64: Inf, no bound
+            return 2 * u * k * (F + A) / (1 - 3 * k * u)
 
     def many(self, trailers, p, final=False):
         """p holds the owner's reduction of own and the messages with these
@@ -255,7 +276,7 @@ class Tally:
         e, k, A = self._many(trailers)
         q, m = self.fmt.piece_error(p.w, self.rmode, self.limit if final else math.inf)
         if self.sum:
-            e += self.u * k * (m + A) / (1 - k * self.u)
+            e += self._adds(k, m, A)
         p.t[0], p.t[1], p.t[2] = e, e + q, m
         if final:
             self.final.append(p)
@@ -270,16 +291,19 @@ class Tally:
         else:
             e, k, A = self._many(trailers)
         us, etas = self.store
-        F = block_magnitudes(out, block)
+        # per value its own result bounds the rounding: the largest finite
+        # one covers every value that came out finite (Inf ones are not bounded)
+        F = block_magnitudes(out, block, finite_only=True)
         F[skipped] = 0.0
         part = (F + etas) / (1 - us)               # |value before the store| per block
         b = e + us * part + etas
-        if self.sum:
-            b += self.u * k * (part + A) / (1 - k * self.u)
+        if self.sum:        # the ring's one addition: u |result|; two-shot's k: _adds
+            b += self.u * part / (1 - self.u) if trailers is None else self._adds(k, part, A)
         b[skipped] = 0.0
         self.results.append((lo, hi, b, np.array(skipped)))
         if b.size:
-            self.local = max(self.local, float(b.max()))
+            v = float(b.max())
+            self.local = max(self.local, v) if v == v else math.inf
 
     def finish(self):
         """The bound of every value this run produced and kept, as a float:
@@ -288,7 +312,8 @@ class Tally:
         best = self.local
         for p in self.final:
             best = max(best, float(p.t[1]) + uc * float(p.t[2]) + etac)
-        return best * SLACK
+        # NaN (an Inf - Inf among the terms) would compare false: no bound
+        return best * SLACK if best == best else math.inf
 
     def segments(self, fix):
         """(lo, hi, bound per block) of every piece of the result this rank
@@ -307,7 +332,8 @@ class Tally:
                 out.append((p.lo, p.hi, np.full(-(-(p.hi - p.lo) // self.fmt.block), math.inf)))
                 continue
             q, m = qm
-            b = (float(p.t[0]) + q + uc * m + etac) * SLACK
+            with np.errstate(invalid="ignore"):        # 0 * Inf: a flagged block, fixed below
+                b = (float(p.t[0]) + q + uc * m + etac) * SLACK
             b[~(m < self.limit)] = fix
             out.append((p.lo, p.hi, b))
         return out

@@ -142,7 +142,12 @@ def sums_floats(what, opname, dtype, P):
     """Whether an exact call adds floats (its bound needs the inputs'
     largest magnitude)."""
     return (P > 1 and what != "Allgather" and dtype is not None and opname == "sum"
-            and np.dtype(dtype).kind in "fc")
+            and _floats(dtype))
+
+
+def _floats(dtype):
+    """Float or complex, bfloat16 included (numpy calls its kind 'V')."""
+    return np.dtype(dtype).kind in "fc" or np.dtype(dtype) == BFLOAT16
 
 
 def error_bound(what, opname, dtype, P, most):
@@ -156,7 +161,7 @@ def error_bound(what, opname, dtype, P, most):
         return 0.0
     if dtype is None:
         return math.inf
-    if np.dtype(dtype).kind not in "fc" or opname in _EXACT_OPS:
+    if not _floats(dtype) or opname in _EXACT_OPS:
         return 0.0
     if opname != "sum" or most is None:
         return math.inf

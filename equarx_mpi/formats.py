@@ -79,6 +79,9 @@ class _Format:
     nibbles = False
     #: whether decoding into a 16-bit output rounds (not for plain 16-bit wires)
     decode_rounds = True
+    #: whether the final decode skips blocks beyond a 16-bit output's range
+    #: (plain wires skip only blocks holding Inf or NaN)
+    skips_overflow = True
 
     def piece_error(self, w, rmode, limit=math.inf):
         """A format without its own bound reports none (Inf)."""
@@ -316,6 +319,7 @@ class Plain(_Format):
         else:
             self.wire = np.dtype(np.int16 if kdtype == np.int16 else np.uint16)
         self.decode_rounds = self.wire.itemsize != 2
+        self.skips_overflow = False
         # rounding to the wire type: none from float32 to float32, twice
         # from float64 to 16 bits (through float32), else once
         acc = acc_dtype(kdtype)
@@ -325,7 +329,8 @@ class Plain(_Format):
 
     def block_errors(self, w, rmode):
         mag = bound.block_magnitudes(w, self.block)   # Inf where Inf or NaN is inside
-        q = self._round[0] * mag + self._round[1]
+        with np.errstate(invalid="ignore"):            # 0 * Inf: such blocks are skipped
+            q = self._round[0] * mag + self._round[1]
         return q, mag + q
 
     def piece_error(self, w, rmode, limit=math.inf):
