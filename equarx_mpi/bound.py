@@ -332,7 +332,7 @@ class Tally:
                 out.append((p.lo, p.hi, np.full(-(-(p.hi - p.lo) // self.fmt.block), math.inf)))
                 continue
             q, m = qm
-            with np.errstate(invalid="ignore"):        # 0 * Inf: a flagged block, fixed below
+            with np.errstate(invalid="ignore", over="ignore"):   # 0 * Inf: flagged, fixed below
                 b = (float(p.t[0]) + q + uc * m + etac) * SLACK
             b[~(m < self.limit)] = fix
             out.append((p.lo, p.hi, b))
