@@ -371,6 +371,17 @@ class Record:
     def constant(cls, n, block, value):
         return cls(n, block, [(0, n, np.full(-(-n // block), float(value)))])
 
-    def blocks(self):
+    def blocks(self, out=None):
+        """The bound per block, into ``out`` (float64, ceil(n/block)) if given."""
         seg = self._segments() if callable(self._segments) else self._segments
-        return to_blocks(seg, self.n, self.block, self.offset)
+        b = to_blocks(seg, self.n, self.block, self.offset)
+        b[np.isnan(b)] = math.inf           # an Inf - Inf among the terms: no bound
+        if out is None:
+            return b
+        if not (isinstance(out, np.ndarray) and out.dtype == np.float64
+                and out.shape == b.shape):
+            raise ValueError(f"equarx_mpi: block_bounds fills a float64 array of shape "
+                             f"{b.shape}, not {getattr(out, 'shape', type(out).__name__)} "
+                             f"{getattr(out, 'dtype', '')}".rstrip())
+        out[...] = b
+        return out

@@ -8,7 +8,6 @@ import os
 import sys
 import threading
 import time
-from typing import NamedTuple, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -16,81 +15,11 @@ from mpi4py import MPI
 from . import bound, exact, formats, options, policy
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
+from .calls import Call, CallInfo, Counting, Stats, uncompressed_bytes  # noqa: F401 (public here)
 from .engine import Engine
-from .nonblocking import Executor, PersistentRequest, PoliteRequest
+from .nonblocking import Executor, PersistentRequest
 from .shm import split_nodes
 from .validate import BFLOAT16, check_buffers, op_name
-
-
-class CallInfo(NamedTuple):
-    """What the last call did (``QuantizedComm.last_call``)."""
-    call: str                 #: "Allreduce", "Reduce_scatter_block" or "Allgather"
-    #: "mpi" (MPI's own collective), "shm" (exact through a shared window),
-    #: "copy" (one rank), or the quantized schedule: "ring", "two_shot",
-    #: "hierarchical"
-    method: str
-    wire: Optional[str]       #: the wire format, None when exact
-    reason: str               #: why this path, in words
-    exact_values: int = 0     #: values of flagged blocks (Inf/NaN) reduced exactly afterwards
-    #: bytes this rank handed to MPI: counted for a schedule; for an exact
-    #: call the bandwidth-optimal amount (MPI's own algorithm may send more)
-    bytes_sent: int = 0
-    seconds: float = 0.0      #: time the call ran (a nonblocking call: from when it started)
-    #: a rigorous bound on |result - exact| over the result's finite values,
-    #: the same on every rank (QuantizedComm.last_error_bound, docs/ERROR.md)
-    error_bound: float = math.inf
-
-
-class Stats(NamedTuple):
-    """Totals over a communicator's calls (``QuantizedComm.stats``)."""
-    calls: int = 0
-    quantized_calls: int = 0
-    bytes_sent: int = 0           #: as CallInfo.bytes_sent, summed
-    #: what the same calls would have sent uncompressed in the input's type,
-    #: bandwidth-optimally: 2(P-1)/P of the message for an AllReduce,
-    #: (P-1)/P for a Reduce_scatter_block or Allgather
-    bytes_uncompressed: int = 0
-    seconds: float = 0.0
-
-
-def uncompressed_bytes(what, nbytes, P):
-    """Bytes a rank sends in a bandwidth-optimal exact collective on
-    ``nbytes`` (the whole message: P*m values for the two halves)."""
-    share = 2 * (P - 1) if what == "Allreduce" else P - 1
-    return nbytes * share // P
-
-
-class _Counting(MPI.Intracomm):
-    """The library's duplicate communicator; counts the bytes the schedules
-    send (whatever the schedule, it sends with Isend).  While the progress
-    thread runs a call (``polite``), its requests wait without spinning."""
-    sent = 0
-    polite = False
-
-    def Isend(self, buf, dest, tag=0):
-        self.sent += buf.nbytes
-        req = super().Isend(buf, dest, tag)
-        return PoliteRequest(req) if self.polite else req
-
-    def Irecv(self, buf, source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG):
-        req = super().Irecv(buf, source, tag)
-        return PoliteRequest(req) if self.polite else req
-
-
-class Call:
-    """One checked and agreed call, ready to run (``_prepare``).  ``bound``:
-    an exact call's error bound, None when it must be found when the call
-    runs (quantized, or a persistent exact sum)."""
-    __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes", "bound")
-
-    def __init__(self, what, send, recv, op, name, method, reason, nbytes, bound=None):
-        self.what, self.send, self.recv, self.op = what, send, recv, op
-        self.name, self.method, self.reason, self.nbytes = name, method, reason, nbytes
-        self.bound = bound
-
-    @property
-    def quantize(self):
-        return self.method not in policy.EXACT
 
 
 class QuantizedComm:
@@ -169,7 +98,7 @@ class QuantizedComm:
         self.algorithm, self.lossy_ops, self.check = o["algorithm"], o["lossy_ops"], o["check"]
         if os.environ.get("EQUARX_MPI_ABORT_ON_EXCEPTION", "1") != "0":
             abort_on_exception()
-        self._comm = _Counting(comm).Dup()
+        self._comm = Counting(comm).Dup()
         # Agreements go over their own communicator: the caller's thread
         # agrees on a new call while the progress thread may be running
         # earlier ones on _comm.
@@ -232,16 +161,7 @@ class QuantizedComm:
             rec = self._blocks
         if rec is None:
             raise ValueError("equarx_mpi: block_bounds needs a finished call first")
-        b = rec.blocks()
-        if out is None:
-            return b
-        if not (isinstance(out, np.ndarray) and out.dtype == np.float64
-                and out.shape == b.shape):
-            raise ValueError(f"equarx_mpi: block_bounds fills a float64 array of shape "
-                             f"{b.shape}, not {getattr(out, 'shape', type(out).__name__)} "
-                             f"{getattr(out, 'dtype', '')}".rstrip())
-        out[...] = b
-        return out
+        return rec.blocks(out)
 
     # --- lifetime -----------------------------------------------------------
     def free(self):
@@ -370,10 +290,7 @@ class QuantizedComm:
                                             err), rec)
         err = c.bound
         if err is None:       # a persistent exact sum: the values are there now
-            most = np.array([bound.to_bits(exact.largest(
-                c.recv if c.send is None else c.send))], np.int64)
-            self._comm.Allreduce(MPI.IN_PLACE, most, MPI.MAX)
-            err = exact.error_bound(c.what, c.name, c.recv.dtype, P, bound.from_bits(most[0]))
+            err = exact.bound_now(self._comm, c.what, c.name, c.send, c.recv)
         if c.method == "shm":
             self._window().allreduce(c.send, c.recv, c.op)
         elif P == 1:

@@ -178,3 +178,11 @@ def largest(a):
         return bound.largest(a.view(kd))
     v = np.abs(a)                       # long double: beyond float64 gives Inf
     return float(v[np.isfinite(v)].max(initial=0))
+
+
+def bound_now(comm, what, opname, send, recv):
+    """error_bound of a call whose inputs are only known now (a persistent
+    request): one 8-byte MAX Allreduce finds the largest magnitude."""
+    most = np.array([bound.to_bits(largest(recv if send is None else send))], np.int64)
+    comm.Allreduce(MPI.IN_PLACE, most, MPI.MAX)
+    return error_bound(what, opname, recv.dtype, comm.Get_size(), bound.from_bits(most[0]))
