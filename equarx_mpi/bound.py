@@ -149,15 +149,6 @@ def from_bits(b):
     return float(np.array(int(b), np.int64).view(np.float64))
 
 
-def up(dtype, x):
-    """x rounded up to a value of ``dtype`` (a float dtype; x >= 0)."""
-    y = np.array(x, np.float64).astype(dtype)
-    if float(y) < x:
-        bits = np.dtype(f"u{np.dtype(dtype).itemsize}")
-        y = (y.view(bits) + bits.type(1)).view(dtype)
-    return y
-
-
 def unit(dtype):
     """Unit roundoff of a float dtype (of each component of a complex one)."""
     dtype = np.dtype(dtype)

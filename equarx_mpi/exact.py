@@ -12,9 +12,10 @@ result is not shared, so it agrees on them with one tiny Allreduce.
 
 Error bounds (docs/ERROR.md): MPI's sum of P values is off by at most
 gamma_{P-1} sum |x_r| (bound.mpi_sum).  A fix-up of a SUM bounds the sum of
-magnitudes by sending two more values in its own Allreduce: each rank's
-largest magnitude among the values it contributes (summed: at least every
-position's sum of magnitudes) and the error its input already carries."""
+magnitudes with one more 16-byte Allreduce (only when blocks were flagged):
+each rank's largest magnitude among the values it contributes (summed: at
+least every position's sum of magnitudes) and the error its input already
+carries."""
 import math
 
 import numpy as np
@@ -60,26 +61,29 @@ def _indices(ranges):
     return np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in sorted(ranges)])
 
 
-def _with_bound(vals, op, e_own):
-    """vals, and for a SUM two more: this rank's largest finite magnitude
-    among them and e_own, both rounded up to vals' type."""
-    if op != MPI.SUM:
-        return vals
-    v = np.abs(vals.astype(np.float64))
-    most = float(v[np.isfinite(v)].max(initial=0.0))
-    out = np.empty(vals.size + 2, vals.dtype)
-    out[:-2] = vals
-    out[-2], out[-1] = bound.up(vals.dtype, most), bound.up(vals.dtype, e_own)
-    return out
-
-
-def _fix_bound(vals, k, op, P):
-    """The bound of the exact reduction of vals[:k] (see _with_bound)."""
+def _largest(vals, op):
+    """For a SUM, this rank's largest finite magnitude among vals (read
+    before the collective overwrites them)."""
     if op != MPI.SUM:
         return 0.0
-    S = bound.sum_of_nonnegatives(vals[k], P, vals.dtype)
-    e = bound.sum_of_nonnegatives(vals[k + 1], P, vals.dtype)
-    return bound.mpi_sum(vals.dtype, P, S) + e
+    v = np.abs(vals.astype(np.float64))
+    return float(v[np.isfinite(v)].max(initial=0.0))
+
+
+def _fix_bound(comm, dtype, op, most, e_own):
+    """The bound of MPI's SUM of values of ``dtype`` over the ranks, given
+    each rank's largest magnitude among them and the error its input
+    already carries: both summed in one 16-byte Allreduce, apart from the
+    values so these keep the bits MPI gives for them alone (the sum is at
+    least every position's sum of magnitudes).  Only when blocks were
+    flagged."""
+    if op != MPI.SUM:
+        return 0.0
+    sums = np.array([most, e_own], np.float64)
+    comm.Allreduce(MPI.IN_PLACE, sums, MPI.SUM)
+    P, f64 = comm.Get_size(), np.dtype(np.float64)
+    S = bound.sum_of_nonnegatives(sums[0], P, f64)
+    return bound.mpi_sum(dtype, P, S) + bound.sum_of_nonnegatives(sums[1], P, f64)
 
 
 def fix_allreduce(comm, ranges, src, out, op, e_own=0.0):
@@ -90,10 +94,11 @@ def fix_allreduce(comm, ranges, src, out, op, e_own=0.0):
     if not ranges:
         return 0, 0.0
     idx = _indices(ranges)
-    vals = _with_bound(src[idx], op, e_own)
+    vals = src[idx]
+    most = _largest(vals, op)
     collective(comm, "Allreduce", None, vals, op)
-    out[idx] = vals[:idx.size]
-    return idx.size, _fix_bound(vals, idx.size, op, comm.Get_size())
+    out[idx] = vals
+    return idx.size, _fix_bound(comm, vals.dtype, op, most, e_own)
 
 
 def fix_allgather(comm, ranges, own, out, rank):
@@ -126,11 +131,12 @@ def fix_reduce_scatter(comm, ranges, src, out, op, rank, m, local):
         return 0, 0.0, most
     every = sorted({r for ranks in comm.allgather(ranges) for r in ranks})
     idx = _indices(every)
-    vals = _with_bound(src[idx], op, 0.0)
+    vals = src[idx]
+    largest_here = _largest(vals, op)
     collective(comm, "Allreduce", None, vals, op)
     mine = (idx >= rank * m) & (idx < (rank + 1) * m)
-    out[idx[mine] - rank * m] = vals[:idx.size][mine]
-    return idx.size, _fix_bound(vals, idx.size, op, comm.Get_size()), most
+    out[idx[mine] - rank * m] = vals[mine]
+    return idx.size, _fix_bound(comm, vals.dtype, op, largest_here, 0.0), most
 
 
 #: ops whose MPI result is exact (no rounding)
