@@ -27,7 +27,6 @@ bound covers both.  Ranks share the per-slice numbers through a small
 shared window of their own, at the synchronizations steps 1 and 3 already
 make: no extra message.
 """
-import math
 
 import numpy as np
 from mpi4py import MPI
@@ -93,7 +92,9 @@ class Hierarchy:
         e = 0.0
         if sums:
             self._win.Sync()
-            e = bound.mpi_sum(src.dtype, L, math.fsum(table[:, me]) * bound.SLACK)
+            # a plain float sum: Inf beyond float64 (fsum would raise); SLACK
+            # covers its L roundings
+            e = bound.mpi_sum(src.dtype, L, sum(table[:, me].tolist()) * bound.SLACK)
         table[me, L] = between_nodes(self.inter, mine, e) if self.nodes > 1 and mine.size else e
         self._win.Sync()
         self.shm.allgather(recv)                       # synchronizes: bounds written before
