@@ -301,7 +301,11 @@ def test_environment_overrides_under_mpirun():
 
 
 def test_warmup_fills_the_cache_and_names_it():
-    env = dict(os.environ)
+    # A standalone process, as after an install: a child that inherits this
+    # rank's Open MPI/PMIx identity joins our job and corrupts its shared
+    # memory (a later collective of this rank crashed).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PRTE_")) or "ALLOW_RUN_AS_ROOT" in k}
     run = [sys.executable, "-m", "equarx_mpi.warmup", "-q"]
     subprocess.run(run, env=env, check=True, capture_output=True, timeout=600)
     out = subprocess.run(run, env=env, check=True, capture_output=True, text=True,
