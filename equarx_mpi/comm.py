@@ -12,7 +12,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import bound, exact, formats, options, policy
+from . import bound, exact, formats, options, policy, tolerance
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
 from .calls import Call, CallInfo, Counting, Stats, uncompressed_bytes  # noqa: F401 (public here)
@@ -96,6 +96,7 @@ class QuantizedComm:
         self.options = o
         self.wire, self.block_size = o["wire"], o["block_size"]
         self.algorithm, self.lossy_ops, self.check = o["algorithm"], o["lossy_ops"], o["check"]
+        self._tolerant = o["abs_tol"] is not None or o["rel_tol"] is not None
         if os.environ.get("EQUARX_MPI_ABORT_ON_EXCEPTION", "1") != "0":
             abort_on_exception()
         self._comm = Counting(comm).Dup()
@@ -266,7 +267,11 @@ class QuantizedComm:
                                                  self._shm.is_window_buffer(
                                                      recv if send is None else send)))]
         dtype = None if err is not None or recv is OPAQUE else recv.dtype
-        needs_most = method in policy.EXACT and exact.sums_floats(what, name, dtype, P)
+        tolerant = self._tolerant and nbytes and exact.sums_floats(what, name, dtype, P)
+        if tolerant and persistent and err is None:
+            err = ValueError(tolerance.NOT_PERSISTENT)
+        needs_most = (method in policy.EXACT or tolerant) and exact.sums_floats(what, name,
+                                                                                 dtype, P)
         most = None
         if needs_most and self.check and not persistent and nbytes:
             most = exact.largest(recv if send is None else send)
@@ -275,7 +280,10 @@ class QuantizedComm:
         elif err is not None:
             raise err
         c = Call(what, send, recv, op, name, method, reason, nbytes)
-        if method in policy.EXACT and not (needs_most and persistent and self.check):
+        if tolerant:          # check=False: its own 8-byte MAX Allreduce finds M
+            most = tolerance.settle(self.options, c, P, most, self._ctl)
+        if c.method in policy.EXACT and c.bound is None and not (needs_most and persistent
+                                                                    and self.check):
             c.bound = exact.error_bound(what, name, dtype, P, most) if nbytes else 0.0
         return c
 
@@ -284,6 +292,7 @@ class QuantizedComm:
         t0, sent0, P = time.perf_counter(), self._comm.sent, self._size
         self._comm.polite = self._exec.in_thread()
         if c.quantize:
+            self._engine.budget = c.budget
             fixed, err, rec = self._quantized(c)
             return self._record(c, CallInfo(c.what, c.method, self.wire, c.reason, fixed,
                                             self._comm.sent - sent0, time.perf_counter() - t0,

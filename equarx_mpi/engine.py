@@ -39,8 +39,10 @@ def warm(fmt, kdtype):
     w = fmt.views(np.zeros(fmt.nbytes(src.size), np.uint8), src.size)
     fmt.encode(src, w, policy.ROUNDING["sum"])
     fmt.decode(w, out)
-    fmt.decode_reduce(src, w, out, policy.KERNEL_OP["sum"])
-    fmt.decode_reduce_encode(src, w, w, policy.KERNEL_OP["sum"], policy.ROUNDING["sum"])
+    if hasattr(fmt, "decode_reduce"):         # not "mixed": two-shot only
+        fmt.decode_reduce(src, w, out, policy.KERNEL_OP["sum"])
+        fmt.decode_reduce_encode(src, w, w, policy.KERNEL_OP["sum"], policy.ROUNDING["sum"])
+    fmt.piece_error(w, policy.ROUNDING["sum"])
     if hasattr(fmt, "decode_reduce_many"):
         two_shot.warm(fmt, kdtype)
     bound.warm()
@@ -66,6 +68,9 @@ class Engine:
         self._plans = collections.OrderedDict()
         self._ws = np.empty(0, np.uint8)
         self.record = None
+        #: the error-bounded mode's tolerance.Budget of the next call (its
+        #: "mixed" format's), set by QuantizedComm
+        self.budget = None
 
     def free(self):
         self._plans.clear()
@@ -164,6 +169,7 @@ class Engine:
         else:
             self._plans.move_to_end(key)
         rmode = policy.ROUNDING[name]
+        fmt.budget = self.budget
         tally = bound.Tally(fmt, own.dtype, name == "sum", rmode, e_own) \
             if self.keep_bounds else None
         ranges = schedule.run(self.comm, plan, fmt, own, out, policy.KERNEL_OP[name], rmode,

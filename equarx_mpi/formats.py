@@ -39,13 +39,13 @@ import numpy as np
 from . import bound
 from . import kernels as K
 
-WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine")
+WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine", "mixed")
 #: the legacy ``bits=`` option
 BITS_TO_WIRE = {4: "int4", 8: "int8", 16: "bf16", 32: "fp32"}
 #: wires whose codes can round up or down (MAX / MIN with ``lossy_ops``)
 DIRECTED_WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine")
 #: wires with many-input reductions (decode_reduce_many...): algorithm="two_shot"
-MANY_INPUT_WIRES = ("int8", "bf16", "fp32")
+MANY_INPUT_WIRES = ("int8", "bf16", "fp32", "mixed")
 #: block_size when none is given: 256, except for the int4 wires, where a
 #: smaller block buys less error for few bytes (headers 1/8 of the codes:
 #: 0.5625 bytes per value); measured in docs/FORMAT.md "int4 blocks"
@@ -89,6 +89,13 @@ class _Format:
 
     def block_errors(self, w, rmode):
         return None
+
+    def message(self, buf):
+        """The bytes of a piece's buffer to send (formats_mixed: fewer)."""
+        return buf
+
+    def received(self, buf):
+        """A message arrived in buf (formats_mixed moves its trailer)."""
 
     def __init__(self, block, kdtype):
         if self.nibbles and block % 2:
@@ -388,6 +395,9 @@ def make_format(wire, block, kdtype):
         return Fp8Block(block, kdtype)
     if wire in ("int8-affine", "int4-affine"):
         return AffineBlock(wire, block, kdtype)
+    if wire == "mixed":               # the error-bounded mode's (its own module)
+        from .formats_mixed import Mixed
+        return Mixed(block, kdtype)
     raise ValueError(f"wire must be one of {WIRES}, not {wire!r}")
 
 

@@ -9,6 +9,7 @@ unknown option passed in code is a TypeError.  ``EQUARX_MPI_DISABLE=1``
 makes every call take the exact MPI collective, whatever the code asks;
 ``EQUARX_MPI_LOG=1`` logs every call's decision on rank 0 (stderr).
 """
+import math
 import os
 import warnings
 
@@ -31,7 +32,11 @@ DEFAULTS = dict(
     lossy_allgather=False,
     check=True,
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+    abs_tol=None,           # the error-bounded mode (tolerance.py): at most one of the two
+    rel_tol=None,
 )
+#: the algorithms of the error-bounded mode: two-shot, or exact
+TOLERANCE_ALGORITHMS = ("two_shot", "mpi", "shm")
 ENV_PREFIX = "EQUARX_MPI_"
 
 
@@ -49,6 +54,8 @@ def _parse_env(name, text):
     t = text.strip()
     if name in ("wire", "algorithm"):
         return t
+    if name in ("abs_tol", "rel_tol"):
+        return None if t.lower() == "none" else float(t)
     if name == "lossy_ops":
         return tuple(s.strip().lower() for s in t.split(",") if s.strip())
     if name in ("check", "lossy_allgather"):
@@ -70,7 +77,7 @@ def _from_env():
             continue
         try:
             value = _parse_env(name, text)
-            check(dict(DEFAULTS, **{name: value}))
+            check(_tolerance_defaults(dict(DEFAULTS, **{name: value}), {}))
         except (TypeError, ValueError) as e:
             warnings.warn(f"ignoring {ENV_PREFIX}{name.upper()}={text!r}: {e}", stacklevel=3)
             continue
@@ -96,6 +103,7 @@ def resolve(given):
         given["wire"] = wire
     opts = dict(DEFAULTS, **_from_env())
     opts.update(given)
+    _tolerance_defaults(opts, given)
     if opts["block_size"] is None and opts["wire"] in formats.WIRES:
         opts["block_size"] = formats.default_block(opts["wire"])
     if isinstance(opts["lossy_ops"], str):
@@ -104,6 +112,43 @@ def resolve(given):
                                          for o in opts["lossy_ops"])))
     check(opts)
     return opts
+
+
+def _tolerance_defaults(opts, given):
+    """With a tolerance the wire is "mixed" and the algorithm two-shot,
+    unless the code names others (check() then refuses them)."""
+    if opts["abs_tol"] is not None or opts["rel_tol"] is not None:
+        if "wire" not in given:
+            opts["wire"] = "mixed"
+        if "algorithm" not in given and opts["algorithm"] not in TOLERANCE_ALGORITHMS:
+            opts["algorithm"] = "two_shot"
+    return opts
+
+
+def _check_tolerance(o):
+    tols = [name for name in ("abs_tol", "rel_tol") if o[name] is not None]
+    for name in tols:
+        t = o[name]
+        if (isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer,
+                                                                   np.floating))
+                or not math.isfinite(t) or t <= 0):
+            raise ValueError(f"{name} must be None or a finite number > 0, not {t!r}")
+    if len(tols) == 2:
+        raise ValueError("give abs_tol or rel_tol, not both")
+    if not tols:
+        if o["wire"] == "mixed":
+            raise ValueError("wire='mixed' is the error-bounded mode's: set abs_tol= or "
+                             "rel_tol= instead")
+        return
+    if o["wire"] != "mixed":
+        raise ValueError(f"{tols[0]}= picks each block's format itself: leave wire unset "
+                         f"(got wire={o['wire']!r})")
+    if o["algorithm"] not in TOLERANCE_ALGORITHMS:
+        raise ValueError(f"{tols[0]}= runs on algorithm 'two_shot' (or the exact 'mpi', "
+                         f"'shm'), not {o['algorithm']!r}")
+    if set(o["lossy_ops"]) - {"sum"}:
+        raise ValueError(f"{tols[0]}= bounds SUM; MAX and MIN stay exact: lossy_ops must "
+                         f"be ('sum',), not {o['lossy_ops']}")
 
 
 def _is_int(x):
@@ -122,6 +167,7 @@ def check(o):
                          f"not {b!r}")
     if o["algorithm"] not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
+    _check_tolerance(o)
     if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES:
         raise ValueError(f"algorithm='two_shot' takes the wires {formats.MANY_INPUT_WIRES}, "
                          f"not {o['wire']!r}")

@@ -73,6 +73,8 @@ def choose(opts, what, opname, dtype, nbytes, P, layout):
     if alg == "shm":
         return exact, ("algorithm='shm': exact, through a shared window" if window else
                        "algorithm='shm' reduces only Allreduce on one node: MPI")
+    if what == "Allgather" and opts["wire"] == "mixed":
+        return exact, "the error-bounded mode (abs_tol/rel_tol) quantizes sums only"
     if what != "Allgather":
         if opname not in opts["lossy_ops"]:
             return exact, (f"op {opname.upper()} is exact unless lossy_ops "

@@ -17,6 +17,10 @@ reduces piece j while piece j+1 is on the wire.  All receives are posted
 up front into their own workspace slots; each (sender, receiver, phase)
 stream keeps one order on both sides, so a tag per phase suffices.
 
+A format whose pieces vary in length (the error-bounded mode's "mixed")
+sends only the bytes a piece uses (``fmt.message``) and restores a received
+one (``fmt.received``); receives stay posted at the largest size.
+
 Why the all-gather forwards around the ring instead of sending straight
 to every rank: on the emulated 4 x 1 Gbit/s cluster the direct sends put
 P-1 more TCP streams on every receiving link while the scatter's P-1 are
@@ -142,7 +146,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
             fmt.encode(own[p.lo - own_offset:p.hi - own_offset], p.w, rmode)
             if tally:
                 tally.start(p)
-            sends.append(comm.Isend(p.buf, dest, TAG_SCATTER))
+            sends.append(comm.Isend(fmt.message(p.buf), dest, TAG_SCATTER))
 
     def decode(p):
         skipped = fmt.decode(p.w, out[p.lo:p.hi])
@@ -159,6 +163,8 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
             continue
         st = plan.stacks[j]
         MPI.Request.Waitall(scattered[j])
+        for _, buf in st.parts:
+            fmt.received(buf)
         mine = own[st.lo - own_offset:st.hi - own_offset]
         if plan.kind == "reduce_scatter":
             res = out[st.lo - out_offset:st.hi - out_offset]
@@ -171,12 +177,13 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
         fmt.decode_reduce_encode_many(mine, r, st.w, q.w, op, rmode)
         if tally:
             tally.many(st.ts, q, final=True)
-        sends.append(comm.Isend(q.buf, right, TAG_GATHER))
+        sends.append(comm.Isend(fmt.message(q.buf), right, TAG_GATHER))
         decode(q)
     for (k, p), req in zip(plan.gathers, gathered):
         req.Wait()
+        fmt.received(p.buf)
         if k < P - 2:
-            sends.append(comm.Isend(p.buf, right, TAG_GATHER))
+            sends.append(comm.Isend(fmt.message(p.buf), right, TAG_GATHER))
         if tally:
             tally.final.append(p)
         decode(p)
