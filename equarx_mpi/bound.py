@@ -172,8 +172,10 @@ def mpi_sum(dtype, P, S):
         return g * (1.4142136 if dtype.kind == "c" else 1) * SLACK
     u16, eta16 = ROUNDING[kernel_dtype(dtype)]
     u32 = ROUNDING[np.dtype(np.float32)][0]
-    # each addition rounded to the 16-bit type, perhaps through float32 first
-    g = gamma(P - 1, u16 + u32)
+    # each addition rounded to the 16-bit type, perhaps through float32
+    # first; bfloat16, which MPI lacks, is always added in float32
+    # (exact.collective) and rounded once
+    g = gamma(P - 1, u32 if dtype == BF16 else u16 + u32)
     return ((g + u16 * (1 + g)) * S + eta16) * SLACK
 
 

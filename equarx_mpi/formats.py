@@ -39,13 +39,15 @@ import numpy as np
 from . import bound
 from . import kernels as K
 
-WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine", "mixed")
+WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine")
+#: the error-bounded mode's wire (abs_tol/rel_tol picks it; formats_mixed.py)
+MODE_WIRE = "mixed"
 #: the legacy ``bits=`` option
 BITS_TO_WIRE = {4: "int4", 8: "int8", 16: "bf16", 32: "fp32"}
 #: wires whose codes can round up or down (MAX / MIN with ``lossy_ops``)
 DIRECTED_WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine")
 #: wires with many-input reductions (decode_reduce_many...): algorithm="two_shot"
-MANY_INPUT_WIRES = ("int8", "bf16", "fp32", "mixed")
+MANY_INPUT_WIRES = ("int8", "bf16", "fp32")
 #: block_size when none is given: 256, except for the int4 wires, where a
 #: smaller block buys less error for few bytes (headers 1/8 of the codes:
 #: 0.5625 bytes per value); measured in docs/FORMAT.md "int4 blocks"

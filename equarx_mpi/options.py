@@ -104,7 +104,7 @@ def resolve(given):
     opts = dict(DEFAULTS, **_from_env())
     opts.update(given)
     _tolerance_defaults(opts, given)
-    if opts["block_size"] is None and opts["wire"] in formats.WIRES:
+    if opts["block_size"] is None and opts["wire"] in formats.WIRES + (formats.MODE_WIRE,):
         opts["block_size"] = formats.default_block(opts["wire"])
     if isinstance(opts["lossy_ops"], str):
         opts["lossy_ops"] = (opts["lossy_ops"],)
@@ -157,7 +157,7 @@ def _is_int(x):
 
 def check(o):
     """Raise ValueError for a bad value."""
-    if o["wire"] not in formats.WIRES:
+    if o["wire"] not in formats.WIRES + (formats.MODE_WIRE,):
         raise ValueError(f"wire must be one of {formats.WIRES}, not {o['wire']!r}")
     b = o["block_size"]
     if b is None:
@@ -168,7 +168,8 @@ def check(o):
     if o["algorithm"] not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
     _check_tolerance(o)
-    if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES:
+    if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES + (
+            formats.MODE_WIRE,):
         raise ValueError(f"algorithm='two_shot' takes the wires {formats.MANY_INPUT_WIRES}, "
                          f"not {o['wire']!r}")
     c = o["chunks"]

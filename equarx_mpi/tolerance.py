@@ -125,6 +125,8 @@ def budget(opts, what, dtype, P, M):
     fix = (bound.mpi_sum(dtype, P, bound.sum_of_nonnegatives(P * M * GROW, P, _F64))
            + bound.sum_of_nonnegatives(0.0, P, _F64))
     least = max(_need(what, k, M, 0.0, u, cast) * bound.SLACK / SHRINK, fix)
+    if least != least:                  # 0 * Inf beyond float64: no bound
+        least = math.inf
     b = Budget(tol, M, u, cast, 0.0, least)
     if not least <= tol:
         name = "abs_tol" if rel is None else "rel_tol"
