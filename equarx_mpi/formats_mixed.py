@@ -36,12 +36,14 @@ class Mixed(_Format):
         self.budget = None
 
     def nbytes(self, n):
-        # the most a piece can take: every payload raw, two headers per block
+        # the most a piece can take: every payload raw, two headers per
+        # block; and room for the trailer behind the used bytes, so that it
+        # never overlaps the one at the end of the buffer (``message``)
         nb = -(-n // self.block)
         a = self.head.itemsize
         full, last = divmod(n, self.block)
         return (K.MX_META + pad8(nb) + full * pad8(self.block * a) + pad8(last * a)
-                + pad8(2 * nb * a))
+                + pad8(2 * nb * a) + T)
 
     def views(self, buf, n):
         # the kernels' typed views of the same bytes, and n

@@ -101,6 +101,8 @@ def test_encode_decode_against_reference(dtype, block):
             assert msg.size == want.size + bound.TRAILER <= buf.size
             assert np.array_equal(msg[:-bound.TRAILER], want), (name, room)
             assert np.array_equal(msg[-bound.TRAILER:], np.arange(bound.TRAILER))
+            # the trailer at the end, which bound.Tally reads, survives
+            assert np.array_equal(buf[-bound.TRAILER:], np.arange(bound.TRAILER))
             got = np.zeros_like(buf)
             got[:msg.size] = msg
             fmt.received(got)
