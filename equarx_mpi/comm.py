@@ -69,6 +69,11 @@ class QuantizedComm:
         everywhere instead of hanging.  Turn off only if the caller
         guarantees consistent calls.
     max_message_bytes: split messages above this size.
+    abs_tol, rel_tol: the error-bounded mode (tolerance.py): a float SUM's
+        last_error_bound never exceeds abs_tol, or rel_tol times the largest
+        finite input magnitude on any rank; each block travels two-shot in
+        the fewest bits that keep it.  Too fine for the float additions and
+        the output type: ValueError on every rank (docs/ERROR.md section 8).
 
     After each call ``last_call`` (a CallInfo) says which path it took, what
     it sent and how long it ran; ``stats`` (a Stats) sums all calls.  With

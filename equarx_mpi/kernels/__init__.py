@@ -53,5 +53,6 @@ from .fp8 import (f8_decode, f8_decode_reduce, f8_decode_reduce_encode,  # noqa:
                   f8_encode)
 from .affine import (af_decode, af_decode_reduce, af_decode_reduce_encode,  # noqa: E402,F401
                      af_encode)
-from .mixed import (META as MX_META, mx_block_errors, mx_decode,  # noqa: E402,F401
-                    mx_decode_reduce_encode_many, mx_decode_reduce_many, mx_encode)
+from .mixed import META as MX_META, mx_block_errors, mx_decode, mx_encode  # noqa: E402,F401
+from .mixed_many import (mx_decode_reduce_encode_many,  # noqa: E402,F401
+                         mx_decode_reduce_many)

@@ -47,7 +47,7 @@ from numba import njit
 
 from . import affine, int4, int8
 from .common import (CACHE, KERNEL, ROUND_NEAREST, abs_bits, acc_block, as_acc,
-                     from_abs_bits, from_order_key, load, order_key, out_limit, store,
+                     from_abs_bits, from_order_key, order_key, out_limit, store,
                      wide_tiny_lift, wide_vectors)
 
 ZERO, INT4, INT4A, INT8, INT8A, INT16, RAW, FLAG = range(8)
@@ -364,110 +364,3 @@ def mx_block_errors(u8, acc, i64, n, block, u, eta, q, mag):
         mag[b] = block_magnitude(tag, u8, acc, pay, hd, m)
         pay += pay_bytes(tag, m, acc.itemsize)
         hd += n_heads(tag)
-
-
-@njit(inline='always', **CACHE)
-def _reduce_many_block(own, pos, u8, i8, i16, acc, cur, b, lo, m, scratch, tmp):
-    """scratch[:m] = the rank-order sum of block b of own (in place pos) and
-    of every message (row t, t - 1 past pos), advancing each row's cursor
-    cur[t] = (payload byte, head index).  Returns the largest magnitude
-    bits: those of Inf when a message's block is FLAG or the sum is not
-    finite."""
-    inf_u = abs_bits(as_acc(scratch, np.inf))
-    rows = u8.shape[0]
-    flag = False
-    for t in range(rows + 1):
-        if t == pos:
-            if t == 0:
-                for j in range(m):
-                    scratch[j] = load(own, _U(lo + j))
-            else:
-                for j in range(m):
-                    scratch[j] = scratch[j] + load(own, _U(lo + j))
-            continue
-        row = t if t < pos else t - 1
-        tag = u8[row, META + b]
-        pay, hd = cur[row, 0], cur[row, 1]
-        if tag == FLAG:
-            flag = True
-            continue
-        decode_block(tag, u8[row], i8[row], i16[row], acc[row], pay, hd, m, tmp)
-        cur[row, 0] = pay + pay_bytes(tag, m, acc.itemsize)
-        cur[row, 1] = hd + n_heads(tag)
-        if t == 0:
-            for j in range(m):
-                scratch[j] = tmp[j]
-        else:
-            for j in range(m):
-                scratch[j] = scratch[j] + tmp[j]
-    if flag:
-        return inf_u
-    mx = abs_bits(as_acc(scratch, 0))
-    for j in range(m):
-        mx = max(mx, abs_bits(scratch[j]))
-    return mx
-
-
-@njit(inline='always', **CACHE)
-def _start(u8, i64, acc, nb, cur):
-    """Every row's cursor at its first block."""
-    for row in range(u8.shape[0]):
-        cur[row, 0] = META + pad8(nb)
-        cur[row, 1] = i64[row, 1] // acc.itemsize
-
-
-@njit(**KERNEL)
-def mx_decode_reduce_encode_many(own, pos, u8, i8, i16, acc, i64, o8, oi8, oi16, oacc, oi64,
-                                 of64, block, room, u, eta, scratch, heads, cur):
-    """The two-shot owner: the rank-order sum of own and the messages,
-    encoded per block with the cheapest tag whose bound b keeps b * SAFE
-    <= room (tolerance.owner_room: what the senders' trailers left).  A
-    block FLAG in any message or not finite ends FLAG.  Returns the bytes
-    used.  scratch holds 4 * block values, heads 2 per block, cur 2 per
-    message."""
-    wide_vectors()
-    n = own.size
-    nb = (n + block - 1) // block
-    _start(u8, i64, acc, nb, cur)
-    pay = META + pad8(nb)
-    nh = 0
-    worst = 0.0
-    for b in range(nb):
-        lo = b * block
-        m = min(block, n - lo)
-        mx = _reduce_many_block(own, pos, u8, i8, i16, acc, cur, b, lo, m, scratch,
-                                scratch[block:])
-        if mx >= abs_bits(as_acc(scratch, np.inf)):
-            o8[META + b] = FLAG
-            continue
-        tag, bnd, pay, nh = emit_block(scratch, 0, m, room, u, eta, o8, oi8, oi16, oacc,
-                                       pay, heads, nh, scratch[2 * block:])
-        o8[META + b] = tag
-        worst = max(worst, bnd)
-    return _finish(o8, oacc, oi64, of64, pay, heads, nh, worst)
-
-
-@njit(**KERNEL)
-def mx_decode_reduce_many(own, pos, u8, i8, i16, acc, i64, out, block, scratch, cur, skipped):
-    """out = the rank-order sum of own and the messages, at full precision
-    (the two-shot reduce-scatter); blocks FLAG in a message, not finite,
-    or reaching out's overflow limit are skipped.  Returns the number
-    skipped, indices in skipped[:number]."""
-    wide_vectors()
-    n = own.size
-    nb = (n + block - 1) // block
-    _start(u8, i64, acc, nb, cur)
-    limit_u = abs_bits(out_limit(out))
-    flagged = 0
-    for b in range(nb):
-        lo = b * block
-        m = min(block, n - lo)
-        mx = _reduce_many_block(own, pos, u8, i8, i16, acc, cur, b, lo, m, scratch,
-                                scratch[block:])
-        if mx >= limit_u:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
-    return flagged
