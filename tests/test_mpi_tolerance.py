@@ -38,7 +38,11 @@ def verify(qc, out, parts, tol, desc):
     err = exact_error(out, parts, "sum")
     seen = err[~np.isnan(err)]
     worst = float(seen.max()) if seen.size else 0.0
-    everywhere(b <= tol and worst <= b, f"{desc}: error {worst} <= bound {b} <= tol {tol}")
+    blocks = qc.block_bounds()
+    per_block = np.repeat(blocks, qc.block_size)[:out.size]
+    with np.errstate(invalid="ignore"):
+        fine = b <= tol and worst <= b and (blocks <= b).all() and not (err > per_block).any()
+    everywhere(fine, f"{desc}: error {worst} <= bound {b} <= tol {tol}, per block too")
     everywhere(len(set(WORLD.allgather(np.float64(b).tobytes()))) == 1,
                f"{desc}: the same bound on every rank")
     return worst
