@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
@@ -115,7 +115,9 @@ def test_error_bounded_mode_property(m, dt, block, mode, tol, kind, seed, what, 
     desc = (what, dt.name, kind, mode, tol, block, m, in_place)
     if got is not None:
         everywhere(P > 1 and ("need " + mode in got or "overflow" in got), f"{desc}: {got}")
+        event("refused: too fine")
         return
+    event(f"ran: {qc.last_call.method}")   # --hypothesis-show-statistics counts them
     fin = np.abs(np.array(xs, np.float64))
     M = float(fin[np.isfinite(fin)].max(initial=0.0))
     limit = tol if mode == "abs_tol" else tol * M
