@@ -16,6 +16,7 @@ from . import exact, formats, options, policy
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
 from .engine import Engine
+from .feedback import check as feedback_error
 from .nonblocking import Executor, PersistentRequest, PoliteRequest
 from .shm import split_nodes
 from .validate import check_buffers, op_name
@@ -75,11 +76,12 @@ class _Counting(MPI.Intracomm):
 
 class Call:
     """One checked and agreed call, ready to run (``_prepare``)."""
-    __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes")
+    __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes", "feedback")
 
-    def __init__(self, what, send, recv, op, name, method, reason, nbytes):
+    def __init__(self, what, send, recv, op, name, method, reason, nbytes, feedback=None):
         self.what, self.send, self.recv, self.op = what, send, recv, op
         self.name, self.method, self.reason, self.nbytes = name, method, reason, nbytes
+        self.feedback = feedback
 
     @property
     def quantize(self):
@@ -213,10 +215,14 @@ class QuantizedComm:
         self.free()
 
     # --- public collectives ---------------------------------------------------
-    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM, feedback=None):
         """recvbuf = op over ranks of sendbuf.  ``MPI.IN_PLACE`` as sendbuf (or
-        the same array twice) reduces recvbuf in place.  Returns None."""
-        self._exec.run(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op))
+        the same array twice) reduces recvbuf in place.  Returns None.
+        ``feedback``: an ErrorFeedback (op SUM; ring or two_shot), whose
+        residual joins this rank's input and takes up what this call's
+        quantizations lose (feedback.py)."""
+        self._exec.run(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op,
+                                                    feedback=feedback))
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Nonblocking Allreduce: returns a request (an MPI.Grequest: Wait,
@@ -232,12 +238,12 @@ class QuantizedComm:
         return PersistentRequest(self._exec, self._execute,
                                  self._prepare("Allreduce", sendbuf, recvbuf, op))
 
-    def allreduce(self, x, op=MPI.SUM):
+    def allreduce(self, x, op=MPI.SUM, feedback=None):
         """A new array with x's shape and dtype holding op over ranks of x."""
         x = np.asarray(x)
         x = np.ascontiguousarray(x).reshape(x.shape)    # keeps 0-d as 0-d
         out = np.empty_like(x)
-        self.Allreduce(x, out, op)
+        self.Allreduce(x, out, op, feedback)
         return out
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
@@ -256,7 +262,7 @@ class QuantizedComm:
         self._exec.run(self._execute, self._prepare("Allgather", sendbuf, recvbuf, None))
 
     # --- internals --------------------------------------------------------------
-    def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False):
+    def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False, feedback=None):
         """Checks agreed across ranks, and the choice of path: a Call.
         With opaque_ok (a wrapped communicator) a buffer only MPI can read
         gives a Call with recv OPAQUE, for MPI to run unchanged."""
@@ -274,14 +280,29 @@ class QuantizedComm:
             else:
                 method, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
                                                P, self.layout)
+        if feedback is not None and err is None:
+            err = feedback_error(feedback, name, recv, method)
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
             agree(self._ctl, what, meta + [("method", method)], err)
         elif err is not None:
             raise err
-        return Call(what, send, recv, op, name, method, reason, nbytes)
+        return Call(what, send, recv, op, name, method, reason, nbytes, feedback)
 
     def _execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
+        fb = c.feedback
+        if fb is None:
+            return self._run(c)
+        # the residual joins the input (not in place any more: the caller's
+        # values stay as they are until the result lands in recv)
+        own = c.recv if c.send is None else c.send
+        info = self._run(Call(c.what, fb.begin(own), c.recv, c.op, c.name, c.method,
+                              c.reason, c.nbytes, fb))
+        fb.end()
+        return info
+
+    def _run(self, c):
+        """_execute without the feedback's part."""
         t0, sent0, P = time.perf_counter(), self._comm.sent, self._size
         self._comm.polite = self._exec.in_thread()
         if c.quantize:
@@ -338,7 +359,7 @@ class QuantizedComm:
         if c.what == "Reduce_scatter_block":
             return e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op)
         if c.method != "hierarchical":
-            return e.allreduce(c.method, c.send, c.recv, c.name, c.op)
+            return e.allreduce(c.method, c.send, c.recv, c.name, c.op, c.feedback)
         hier, between = self._hierarchy()
         fixed = [0]
 

@@ -7,6 +7,7 @@ import collections
 import numpy as np
 
 from . import exact, formats, policy, ring, two_shot
+from . import kernels as K
 from .validate import BFLOAT16
 
 #: the quantized schedules, by algorithm name
@@ -60,15 +61,16 @@ class Engine:
         self._plans.clear()
         self._ws = None
 
-    def allreduce(self, algorithm, send, recv, name, op):
+    def allreduce(self, algorithm, send, recv, name, op, feedback=None):
         """recv = op over ranks of send (None: recv's values); flat arrays.
-        Returns the number of values reduced exactly afterwards."""
+        Returns the number of values reduced exactly afterwards.
+        ``feedback`` (an ErrorFeedback) notes what each quantization lost."""
         own = recv if send is None else send
         n, B, P = recv.size, self.opts["block_size"], self.P
         nb = -(-n // B)
         edges = [min(s * nb // P * B, n) for s in range(P + 1)]
         shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
-        ranges = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0)
+        ranges = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0, feedback)
         return exact.fix_allreduce(self.comm, ranges, own, recv, op)
 
     def reduce_scatter(self, algorithm, send, recv, name, op):
@@ -114,7 +116,8 @@ class Engine:
             self._ws = np.empty(nbytes, np.uint8)
         return self._ws
 
-    def _run(self, algorithm, kind, shards, own, out, name, own_offset, out_offset):
+    def _run(self, algorithm, kind, shards, own, out, name, own_offset, out_offset,
+             feedback=None):
         """Run a schedule; own and out are the caller's arrays.  Returns the
         flagged ranges."""
         own = kernel_view(own, writable=False)
@@ -133,5 +136,10 @@ class Engine:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
-        return schedule.run(self.comm, plan, fmt, own, out, policy.KERNEL_OP[name],
-                            policy.ROUNDING[name], own_offset, out_offset)
+        rmode = policy.rounding(self.opts, name)
+        if rmode == K.ROUND_STOCHASTIC:
+            fmt.begin_call(self.opts["seed"], self.rank, own, own_offset)
+        if feedback is not None:
+            fmt = feedback.format(fmt, own, out)
+        return schedule.run(self.comm, plan, fmt, own, out, policy.KERNEL_OP[name], rmode,
+                            own_offset, out_offset)

@@ -1,20 +1,25 @@
 """The AllReduce methods the examples compare, in one table.
 
 Each name maps to QuantizedComm options, or None for mpi4py's exact
-``comm.Allreduce``.  ``make_reducers(comm, names)`` returns, per name, a
-function ``reduce(buf)`` that sums ``buf`` over the ranks in place.
+``comm.Allreduce``; ``feedback=True`` among them gives each buffer shape
+its own equarx_mpi.ErrorFeedback (the residual of one call joins the next
+on the same shape: for gradients).  ``Reducers(comm, names)`` holds, per
+name, a function ``reduce(buf)`` that sums ``buf`` over the ranks in place.
 New library methods (algorithms, wire formats) are one line here.
 """
 import os
 
 from mpi4py import MPI
 
-from equarx_mpi import QuantizedComm
+from equarx_mpi import ErrorFeedback, QuantizedComm
 
 METHODS = {
     "mpi": None,                                         # exact, what MPI codes use today
     "bf16": dict(wire="bf16", min_quantized_bytes=0),    # uncompressed 16-bit ring
     "int8": dict(wire="int8", min_quantized_bytes=0),    # EQuARX int8 ring, every size
+    "int8+ef": dict(wire="int8", min_quantized_bytes=0, feedback=True),  # with error feedback
+    "int4": dict(wire="int4", min_quantized_bytes=0),    # int4 ring (blocks of 64)
+    "int4+ef": dict(wire="int4", min_quantized_bytes=0, feedback=True),
 }
 
 
@@ -30,10 +35,15 @@ class Reducers(dict):
             opts = METHODS[name]
             if opts is None:
                 self[name] = lambda buf, c=comm: c.Allreduce(MPI.IN_PLACE, buf)
+                continue
+            opts = dict(opts)
+            feedback = opts.pop("feedback", False)
+            qc = QuantizedComm(comm, **opts)
+            self._qcs.append(qc)
+            self._by_name[name] = qc
+            if feedback:
+                self[name] = _with_feedback(qc)
             else:
-                qc = QuantizedComm(comm, **opts)
-                self._qcs.append(qc)
-                self._by_name[name] = qc
                 self[name] = lambda buf, q=qc: q.Allreduce(MPI.IN_PLACE, buf)
 
     def qc(self, name):
@@ -52,6 +62,16 @@ class Reducers(dict):
 
     def __exit__(self, *exc):
         self.free()
+
+
+def _with_feedback(qc):
+    """reduce(buf) on qc with one ErrorFeedback per buffer shape and dtype."""
+    residuals = {}
+
+    def reduce(buf):
+        ef = residuals.setdefault((buf.shape, buf.dtype.str), ErrorFeedback())
+        qc.Allreduce(MPI.IN_PLACE, buf, feedback=ef)
+    return reduce
 
 
 def parse_methods(parser, text):
