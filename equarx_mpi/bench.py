@@ -39,6 +39,10 @@ METHODS = {
                  dict(wire="int8", min_quantized_bytes=0)),
     "int8-2shot": ("EQuARX int8 two-shot (owner reduces at full precision) at every size",
                    dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0)),
+    "int8-hier": ("EQuARX int8 hierarchical (exact in each node, two-shot between nodes) at every size",
+                  dict(wire="int8", algorithm="hierarchical", min_quantized_bytes=0)),
+    "shm": ("exact AllReduce through a shared window (one node; else MPI's)",
+            dict(algorithm="shm")),
     "int8-nocheck": ("EQuARX int8 ring, defaults, without the per-call argument agreement",
                      dict(wire="int8", check=False)),
     "int4": ("int4 ring (block 64, its default) at every size",
@@ -81,7 +85,8 @@ LEGEND = """\
 # columns (one row per message size and method):
 #   size(B), count, type   message per rank: count values of type (the same on every rank)
 #   path      what ran: "exact" = the exact MPI collective (mpi, or a library method
-#             below its size threshold); else algorithm/wire format, e.g. ring/int8
+#             below its size threshold); "shm" = the exact shared-window sum;
+#             else algorithm/wire format, e.g. ring/int8
 #   avg(us) min(us) max(us)   time per call: each rank's median over the timed calls,
 #             then the average, minimum and maximum of those over ranks
 #   algbw     size(B) / avg time [GB/s], from the uncompressed bytes
@@ -229,10 +234,11 @@ def _make_comms(comm, methods, block):
 
 
 def _path(qc):
-    """'exact' when the exact MPI collective ran, else 'algorithm/wire'."""
+    """'exact' when the exact MPI collective ran, 'shm' for the exact shared
+    window, else 'algorithm/wire'."""
     last = None if qc is None else qc.last_call
     if last is None or last.wire is None:
-        return "exact"
+        return "shm" if last is not None and last.method == "shm" else "exact"
     return f"{last.method}/{last.wire}"
 
 

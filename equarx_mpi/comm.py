@@ -19,7 +19,7 @@ from .engine import Engine
 from .feedback import check as feedback_error
 from .nonblocking import Executor, PersistentRequest, PoliteRequest
 from .shm import split_nodes
-from .validate import check_buffers, op_name
+from .validate import BFLOAT16, check_buffers, op_name
 
 
 class CallInfo(NamedTuple):
@@ -246,6 +246,18 @@ class QuantizedComm:
         self.Allreduce(x, out, op, feedback)
         return out
 
+    def empty(self, shape, dtype=np.float32):
+        """Collective: an uninitialised array to reduce with ``algorithm="shm"``.
+        On one node it lives in the shared window, so an Allreduce with it as
+        sendbuf (or recvbuf, in place) skips the copy in; every call returns
+        the same memory (one such buffer at a time), valid until free().
+        Elsewhere, or for types the window does not reduce, a plain array."""
+        dtype = np.dtype(dtype)
+        if self.layout.one_node and self._size > 1 and (dtype.kind == "f" or dtype == BFLOAT16) \
+                and dtype.itemsize <= 8:
+            return self._window().empty(shape, dtype)
+        return np.empty(shape, dtype)
+
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
         """recvbuf (m values) = op over ranks of block ``rank`` of sendbuf
         (P*m values).  With ``MPI.IN_PLACE`` the input is recvbuf (P*m values)
@@ -280,6 +292,11 @@ class QuantizedComm:
             else:
                 method, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
                                                P, self.layout)
+        if method == "shm":   # a window buffer or none, on every rank (shm.py's base);
+            # with feedback the input is the feedback's own array, never one
+            meta = meta + [("window buffer", int(feedback is None and self._shm is not None and
+                                                 self._shm.is_window_buffer(
+                                                     recv if send is None else send)))]
         if feedback is not None and err is None:
             err = feedback_error(feedback, name, recv, method)
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks

@@ -69,7 +69,7 @@ _NO_STREAM = np.uint64(0)
 
 
 def mix64(z):
-    """splitmix64's finalizer (kernels.common.mix64) on a Python int."""
+    """splitmix64's finalizer (kernels.stochastic.mix64) on a Python int."""
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     return z ^ (z >> 31)

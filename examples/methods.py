@@ -17,9 +17,11 @@ METHODS = {
     "mpi": None,                                         # exact, what MPI codes use today
     "bf16": dict(wire="bf16", min_quantized_bytes=0),    # uncompressed 16-bit ring
     "int8": dict(wire="int8", min_quantized_bytes=0),    # EQuARX int8 ring, every size
-    "int8+ef": dict(wire="int8", min_quantized_bytes=0, feedback=True),  # with error feedback
-    "int4": dict(wire="int4", min_quantized_bytes=0),    # int4 ring (blocks of 64)
-    "int4+ef": dict(wire="int4", min_quantized_bytes=0, feedback=True),
+    "int8-2shot": dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0),
+    "fp8": dict(wire="fp8", min_quantized_bytes=0),      # e4m3 codes, ring
+    "int4": dict(wire="int4", min_quantized_bytes=0),    # half int8's bytes, ring
+    "int4+ef": dict(wire="int4", min_quantized_bytes=0, feedback=True),  # + error feedback
+    "fp8+ef": dict(wire="fp8", min_quantized_bytes=0, feedback=True),
 }
 
 

@@ -39,7 +39,7 @@ def _tiny_lift(acc):
         acc(2.0 ** -1000), acc(2.0 ** 128))
 
 
-# --- stochastic rounding (kernels/common.py, formats.py) ---------------------------
+# --- stochastic rounding (kernels/stochastic.py, formats.py) ---------------------------
 GOLDEN = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 

@@ -26,7 +26,7 @@ whose largest magnitude rounds to Inf there (common.out_limit).
 Directed rounding (ROUND_UP / ROUND_DOWN, for MAX / MIN) takes the ceiling
 or floor and then checks the decoded value, so x' >= x (or <= x) always.
 Stochastic rounding (ROUND_STOCHASTIC, for SUM when asked for) rounds up
-with probability frac(x * r) (common.stochastic_code): E[c] = x * r; value
+with probability frac(x * r) (stochastic.stochastic_code): E[c] = x * r; value
 i of a piece draws its uniform number from ``stream`` + i (common.uniform),
 so the codes are a pure function of the values and the stream.
 Speed (docs/results/kernels-*.txt): inner loops index with uint64 (numba
@@ -41,8 +41,9 @@ from numba import njit, types
 from numba.extending import overload
 
 from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_UP,
-                     abs_bits, as_acc, from_abs_bits, load, out_limit, reduce2, sign_code,
-                     stochastic_code, store, wide_vectors)
+                     abs_bits, as_acc, from_abs_bits, keep_or_skip, load, out_limit, reduce2,
+                     sign_code, store, wide_vectors)
+from .stochastic import stochastic_code
 
 LEVELS = 127
 _U = np.uint64
@@ -223,12 +224,8 @@ def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        if _reduce_block(own, header, codes, b, lo, m, op, k, scratch) >= limit_u:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
+        flagged = keep_or_skip(out, lo, m, scratch, _reduce_block(own, header, codes, b, lo, m, op, k, scratch),
+                               limit_u, b, skipped, flagged)
     return flagged
 
 
@@ -340,10 +337,6 @@ def i8_decode_reduce_many(own, pos, heads, codes, h, out, block, op, scratch, sk
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        if _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch) >= limit_u:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
+        flagged = keep_or_skip(out, lo, m, scratch, _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch),
+                               limit_u, b, skipped, flagged)
     return flagged
