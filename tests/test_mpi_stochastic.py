@@ -164,6 +164,10 @@ def test_mean_error_over_calls_shrinks_like_one_over_sqrt_calls():
         everywhere(sr[16] == near[16] == 0, "one rank: exact")
         return
     slope = np.polyfit(np.log(calls), np.log([sr[t] for t in calls]), 1)[0]
+    if WORLD.Get_rank() == 0:
+        print(f"\nP={P} RMS mean error after {calls} calls: stochastic "
+              f"{[f'{sr[t]:.3g}' for t in calls]} (slope {slope:.3f}), nearest "
+              f"{[f'{near[t]:.3g}' for t in calls]}")
     everywhere(-0.6 < slope < -0.4, f"stochastic: slope {slope:.3f} of log error vs log calls")
     everywhere(abs(near[256] / near[16] - 1) < 1e-6, f"nearest: the same mean error {near}")
     everywhere(near[256] > 4 * sr[256], f"after 256 calls nearest {near} >> stochastic {sr}")
