@@ -23,6 +23,11 @@ METHODS = {
     "int4+ef": dict(wire="int4", min_quantized_bytes=0, feedback=True),  # + error feedback
     "fp8+ef": dict(wire="fp8", min_quantized_bytes=0, feedback=True),
 }
+#: the methods without state between calls: the default where one buffer
+#: shape holds different quantities from call to call (activations of each
+#: layer, an ensemble's sum and sum of squares), which error feedback would
+#: mix; dp_digits (one gradient buffer) takes every method
+STATELESS = [name for name, opts in METHODS.items() if not (opts or {}).get("feedback")]
 
 
 class Reducers(dict):
