@@ -31,6 +31,15 @@ wires: from one pass over its values):
         ``limit``: out's overflow threshold, for block formats); floats
     block_errors(w, rmode) -> (q, m)         the same per block (arrays;
         m is Inf for a flagged block); None: no bound (Inf)
+
+Stochastic rounding (rmode ROUND_STOCHASTIC, wires STOCHASTIC_WIRES) draws
+value g's uniform number from a hash of (seed, call, rank, g), g the
+value's index in the whole message: ``begin_call`` fixes the first three
+and where the call's input lies, and each piece's position follows from
+where its ``own``/``src`` view starts in that input.  So the codes depend
+only on the values, the seed, how many calls this format ran before and
+the rank, not on how the schedule cut or ordered the pieces; no rank
+quantizes one value twice in a call, so no two draws share a key.
 """
 import math
 
@@ -46,6 +55,8 @@ BITS_TO_WIRE = {4: "int4", 8: "int8", 16: "bf16", 32: "fp32"}
 DIRECTED_WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine")
 #: wires with many-input reductions (decode_reduce_many...): algorithm="two_shot"
 MANY_INPUT_WIRES = ("int8", "bf16", "fp32")
+#: wires that can round stochastically (rounding="stochastic")
+STOCHASTIC_WIRES = ("int8", "int4")
 #: block_size when none is given: 256, except for the int4 wires, where a
 #: smaller block buys less error for few bytes (headers 1/8 of the codes:
 #: 0.5625 bytes per value); measured in docs/FORMAT.md "int4 blocks"
@@ -74,6 +85,30 @@ def _largest_below(h, limit):
     return a
 
 
+_MASK = (1 << 64) - 1
+_NO_STREAM = np.uint64(0)
+
+
+def mix64(z):
+    """splitmix64's finalizer (kernels.stochastic.mix64) on a Python int."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
+
+
+def call_key(seed, call, rank):
+    """The 64-bit key of one call's stochastic rounding on one rank: seed,
+    call number and rank absorbed in turn, splitmix64 style."""
+    z = 0
+    for v in (seed, call, rank):
+        z = mix64(((z ^ v) + K.GOLDEN) & _MASK)
+    return z
+
+
+def address(a):
+    return a.__array_interface__["data"][0]
+
+
 class _Format:
     #: codes two per byte: blocks must then start on a byte
     nibbles = False
@@ -96,6 +131,25 @@ class _Format:
         self.block = block
         self.scratch = np.empty(block, acc_dtype(kdtype))
         self._skipped = np.empty(0, np.int64)
+        self.calls = 0          # calls begun so far: part of the stochastic key
+        self._key = None
+
+    def begin_call(self, seed, rank, own, own_offset):
+        """Key the stochastic rounding of the next call: ``own`` (a kernel
+        view) holds its input, own[i] being the message's value i + own_offset."""
+        self._key = call_key(seed, self.calls, rank)
+        self._base, self._item, self._offset = address(own), own.itemsize, own_offset
+        self.calls += 1
+
+    def _stream(self, own, rmode):
+        """The stream of a piece whose values are ``own`` (a view into the
+        call's input): the call's key advanced to the piece's first value."""
+        if rmode != K.ROUND_STOCHASTIC:
+            return _NO_STREAM
+        if self._key is None:
+            raise ValueError(f"{self.name}: stochastic rounding before begin_call")
+        at = (address(own) - self._base) // self._item + self._offset
+        return np.uint64((self._key + at * K.GOLDEN) & _MASK)
 
     def _skip(self, n):
         """A buffer for the indices of skipped blocks of an n-value piece."""
@@ -142,7 +196,7 @@ class Int8Block(_Symmetric):
         return buf[:h].view(self.head), buf[h:h + n].view(np.int8)
 
     def encode(self, src, w, rmode):
-        K.i8_encode(src, w[0], w[1], self.block, self.scratch, rmode)
+        K.i8_encode(src, w[0], w[1], self.block, self.scratch, rmode, self._stream(src, rmode))
 
     def decode(self, w, out):
         skipped = self._skip(out.size)
@@ -155,7 +209,7 @@ class Int8Block(_Symmetric):
 
     def decode_reduce_encode(self, own, wi, wo, op, rmode):
         K.i8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
-                                  self.scratch, rmode)
+                                  self.scratch, rmode, self._stream(own, rmode))
 
     def stack_views(self, buf, n, count, stride=None):
         # (headers, one row each; whole messages as int8 rows; where codes
@@ -172,7 +226,7 @@ class Int8Block(_Symmetric):
 
     def decode_reduce_encode_many(self, own, pos, ws, wo, op, rmode):
         K.i8_decode_reduce_encode_many(own, pos, ws[0], ws[1], ws[2], wo[0], wo[1], self.block,
-                                       op, self.scratch, rmode)
+                                       op, self.scratch, rmode, self._stream(own, rmode))
 
 
 
@@ -194,7 +248,7 @@ class Int4Block(_Symmetric):
         return buf[:h].view(self.head), buf[h:h + (n + 1) // 2].view(np.int8)
 
     def encode(self, src, w, rmode):
-        K.i4_encode(src, w[0], w[1], self.block, self.scratch, rmode)
+        K.i4_encode(src, w[0], w[1], self.block, self.scratch, rmode, self._stream(src, rmode))
 
     def decode(self, w, out):
         skipped = self._skip(out.size)
@@ -207,7 +261,7 @@ class Int4Block(_Symmetric):
 
     def decode_reduce_encode(self, own, wi, wo, op, rmode):
         K.i4_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
-                                  self.scratch, rmode)
+                                  self.scratch, rmode, self._stream(own, rmode))
 
 
 class Fp8Block(_Symmetric):

@@ -18,6 +18,7 @@ from . import formats
 
 ALGORITHMS = ("ring", "two_shot", "hierarchical", "shm", "mpi")
 LOSSY_OPS = ("sum", "max", "min")
+ROUNDINGS = ("nearest", "stochastic")
 #: No single message exceeds this (MPI counts are 32-bit in many places).
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
@@ -31,6 +32,8 @@ DEFAULTS = dict(
     lossy_allgather=False,
     check=True,
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+    rounding="nearest",     # of SUM's codes; "stochastic": unbiased, keyed by seed
+    seed=0,
 )
 ENV_PREFIX = "EQUARX_MPI_"
 
@@ -47,7 +50,7 @@ def logging():
 
 def _parse_env(name, text):
     t = text.strip()
-    if name in ("wire", "algorithm"):
+    if name in ("wire", "algorithm", "rounding"):
         return t
     if name == "lossy_ops":
         return tuple(s.strip().lower() for s in t.split(",") if s.strip())
@@ -103,6 +106,7 @@ def resolve(given):
     opts["lossy_ops"] = tuple(sorted(set(o.lower() if isinstance(o, str) else o
                                          for o in opts["lossy_ops"])))
     check(opts)
+    opts["seed"] = int(opts["seed"])
     return opts
 
 
@@ -137,6 +141,13 @@ def check(o):
     for name in ("check", "lossy_allgather"):
         if not isinstance(o[name], (bool, np.bool_)):
             raise ValueError(f"{name} must be True or False, not {o[name]!r}")
+    if o["rounding"] not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, not {o['rounding']!r}")
+    if o["rounding"] == "stochastic" and o["wire"] not in formats.STOCHASTIC_WIRES:
+        raise ValueError(f"rounding='stochastic' takes the wires {formats.STOCHASTIC_WIRES}, "
+                         f"not {o['wire']!r}")
+    if not _is_int(o["seed"]) or not 0 <= o["seed"] < 2 ** 64:
+        raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, not {o['seed']!r}")
     mm = o["max_message_bytes"]
     one_block = formats.max_block_bytes(o["wire"], b)
     if not _is_int(mm) or not one_block <= mm < 2 ** 31:

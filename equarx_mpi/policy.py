@@ -31,6 +31,14 @@ KERNEL_OP = {"sum": K.OP_SUM, "max": K.OP_MAX, "min": K.OP_MIN}
 ROUNDING = {"sum": K.ROUND_NEAREST, "max": K.ROUND_UP, "min": K.ROUND_DOWN}
 
 
+def rounding(opts, opname):
+    """How op ``opname``'s codes round: MAX up and MIN down always; SUM to
+    nearest, or stochastically with ``rounding="stochastic"``."""
+    if opname == "sum" and opts["rounding"] == "stochastic":
+        return K.ROUND_STOCHASTIC
+    return ROUNDING[opname]
+
+
 def min_quantized_bytes(opts, one_node):
     q = opts["min_quantized_bytes"]
     return DEFAULT_MIN_QUANTIZED_BYTES["one_node" if one_node else "network"] if q is None else q
