@@ -29,25 +29,38 @@ from .validate import BFLOAT16
 #: asks for, so a line may name options this version does not have yet.
 METHODS = {
     "mpi": ("mpi4py comm.Allreduce (exact)", None),
-    "bf16": ("pipelined ring, bfloat16 on the wire", dict(wire="bf16", min_quantized_bytes=0)),
-    "fp32": ("pipelined ring, float32 on the wire", dict(wire="fp32", min_quantized_bytes=0)),
-    "int8": ("EQuARX int8 ring, library defaults (exact MPI below a size threshold)",
-             dict(wire="int8")),
+    "bf16": ("pipelined ring, bfloat16 on the wire",
+             dict(wire="bf16", algorithm="ring", min_quantized_bytes=0)),
+    "fp32": ("pipelined ring, float32 on the wire",
+             dict(wire="fp32", algorithm="ring", min_quantized_bytes=0)),
+    "int8": ("EQuARX int8 ring, exact MPI below the cost model's crossover",
+             dict(wire="int8", algorithm="ring")),
     "int8-c1": ("EQuARX int8 ring, chunks=1 (no pipelining), every size",
-                dict(wire="int8", chunks=1, min_quantized_bytes=0)),
+                dict(wire="int8", algorithm="ring", chunks=1, min_quantized_bytes=0)),
     "int8-raw": ("EQuARX int8 ring at every size (never exact MPI)",
-                 dict(wire="int8", min_quantized_bytes=0)),
+                 dict(wire="int8", algorithm="ring", min_quantized_bytes=0)),
     "int8-2shot": ("EQuARX int8 two-shot (owner reduces at full precision) at every size",
                    dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0)),
-    "int8-nocheck": ("EQuARX int8 ring, defaults, without the per-call argument agreement",
-                     dict(wire="int8", check=False)),
+    "int8-nocheck": ("EQuARX int8 ring as 'int8', without the per-call argument agreement",
+                     dict(wire="int8", algorithm="ring", check=False)),
     "int4": ("int4 ring (block 64, its default) at every size",
-             dict(wire="int4", block_size=64, min_quantized_bytes=0)),
-    "fp8": ("fp8 (e4m3) ring at every size", dict(wire="fp8", min_quantized_bytes=0)),
+             dict(wire="int4", algorithm="ring", block_size=64, min_quantized_bytes=0)),
+    "fp8": ("fp8 (e4m3) ring at every size",
+            dict(wire="fp8", algorithm="ring", min_quantized_bytes=0)),
     "int8-aff": ("int8-affine ring (levels between block min and max) at every size",
-                 dict(wire="int8-affine", min_quantized_bytes=0)),
+                 dict(wire="int8-affine", algorithm="ring", min_quantized_bytes=0)),
     "int4-aff": ("int4-affine ring (block 128, its default) at every size",
-                 dict(wire="int4-affine", block_size=128, min_quantized_bytes=0)),
+                 dict(wire="int4-affine", algorithm="ring", block_size=128,
+                      min_quantized_bytes=0)),
+    "shm": ("exact, through an MPI-3 shared window (one node; MPI's own across nodes)",
+            dict(algorithm="shm")),
+    "hier": ("hierarchical: exact inside nodes, int8 two-shot between them, every size "
+             "(nodes of equal size; else the ring)",
+             dict(algorithm="hierarchical", min_quantized_bytes=0)),
+    "auto": ("algorithm='auto' (the library default): the cost model's pick per call",
+             dict(algorithm="auto")),
+    "auto-exact": ("algorithm='auto', accuracy='exact': the faster of MPI and shm",
+                   dict(algorithm="auto", accuracy="exact")),
 }
 DEFAULT_METHODS = "mpi,bf16,fp32,int8,int8-c1"
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
@@ -81,7 +94,8 @@ LEGEND = """\
 # columns (one row per message size and method):
 #   size(B), count, type   message per rank: count values of type (the same on every rank)
 #   path      what ran: "exact" = the exact MPI collective (mpi, or a library method
-#             below its size threshold); else algorithm/wire format, e.g. ring/int8
+#             below its size threshold), "shm" = exact through a shared window;
+#             else algorithm/wire format, e.g. ring/int8
 #   avg(us) min(us) max(us)   time per call: each rank's median over the timed calls,
 #             then the average, minimum and maximum of those over ranks
 #   algbw     size(B) / avg time [GB/s], from the uncompressed bytes
@@ -229,10 +243,11 @@ def _make_comms(comm, methods, block):
 
 
 def _path(qc):
-    """'exact' when the exact MPI collective ran, else 'algorithm/wire'."""
+    """'exact' when the exact MPI collective ran, 'shm' for the exact
+    shared-window method, else 'algorithm/wire'."""
     last = None if qc is None else qc.last_call
     if last is None or last.wire is None:
-        return "exact"
+        return "shm" if last is not None and last.method == "shm" else "exact"
     return f"{last.method}/{last.wire}"
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import exact, formats, options, policy
+from . import costmodel, exact, formats, options, policy
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
 from .engine import Engine
@@ -109,19 +109,31 @@ class QuantizedComm:
         ``bits=4/8/16/32`` is the older spelling.
     block_size: values per block, a power of two from 32 to 4096; None (the
         default): the wire's own, 256 (int4 64, int4-affine 128).
-    algorithm: "ring" (pipelined reduce-scatter + all-gather, a value is
-        quantized P times), "two_shot" (every shard sent to its owner,
-        reduced there at full precision and all-gathered: twice at most;
-        wires int8, bf16 and fp32), "hierarchical" (exact inside each node
-        through a shared window, quantized between nodes: error of the node
-        count; Allreduce across nodes of equal size, the halves use the
+    algorithm: "auto" (the default: per call, the method the cost model
+        predicts fastest among those ``accuracy`` and the call allow; a
+        profile measured by ``python -m equarx_mpi.tune``, or the built-in
+        one: docs/TUNING.md), "ring" (pipelined reduce-scatter + all-gather,
+        a value is quantized P times), "two_shot" (every shard sent to its
+        owner, reduced there at full precision and all-gathered: twice at
+        most; wires int8, bf16 and fp32), "hierarchical" (exact inside each
+        node through a shared window, quantized between nodes: error of the
+        node count; Allreduce across nodes of equal size, the halves use the
         ring), "shm" (exact, through a shared window, when all ranks share
         a node) or "mpi" (always MPI's own collective).
+    accuracy: the error the caller accepts: None (the default: what the
+        wire gives), "exact" (only exact methods), or a number, the largest
+        relative L2 error accepted on standard-normal data (0.01 = 1%) by
+        the error model (costmodel.error: the int8 ring 0.85/1.10/1.47/2.03%
+        at 2/4/8/16 ranks, two-shot 0.85-0.98% at any count).  A quantized
+        method predicted above it is never taken, by any algorithm: the
+        call is exact instead.
     chunks: pieces per shard for pipelining; None: one piece when all ranks
         share a node, else about 256 KiB of input per piece (at most 8).
     min_quantized_bytes: messages smaller than this (bytes per rank; for the
-        two halves, the P*m-value buffer) use the exact MPI collective; None
-        takes the measured default: 4 MiB on one node, 256 KiB across nodes.
+        two halves, the P*m-value buffer) are exact and larger ones
+        quantized (if allowed); None (the default): quantized where the cost
+        model predicts it at least 5% faster than exact
+        (``crossover()`` tells the size).
     lossy_ops: the reductions that may travel quantized, from "sum", "max",
         "min"; default ("sum",): MAX and MIN are exact unless named here,
         and then MAX is never below (MIN never above) the true result.
@@ -175,7 +187,11 @@ class QuantizedComm:
         node.Free()
         #: all ranks on one node (shared memory)
         self.one_node = self.layout.one_node
-        self.min_quantized_bytes = policy.min_quantized_bytes(o, self.one_node)
+        #: the cost model behind algorithm="auto" and the crossovers: rank
+        #: 0's profile, so that every rank decides alike
+        self.profile_source, self.model = _agreed_model(self._comm, self.layout,
+                                                        self._comm.Get_size(), o)
+        self._choices = {}
         self._engine = Engine(self._comm, o, self.one_node, compile_first)
         self._compile_first = compile_first
         self._shm = self._hier = self._between = None    # made on first use (collective)
@@ -272,13 +288,38 @@ class QuantizedComm:
             if nbytes == 0:
                 reason = "empty message"
             else:
-                method, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
-                                               P, self.layout)
+                method, reason = self._choose(what, name, recv.dtype, nbytes)
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
             agree(self._ctl, what, meta + [("method", method)], err)
         elif err is not None:
             raise err
         return Call(what, send, recv, op, name, method, reason, nbytes)
+
+    def _choose(self, what, name, dtype, nbytes):
+        """policy.choose, remembered per call shape (the model takes tens of
+        microseconds; a shape's answer never changes)."""
+        key = (what, name, dtype, nbytes, options.disabled())
+        got = self._choices.get(key)
+        if got is None:
+            if len(self._choices) >= 1024:
+                self._choices.clear()
+            got = self._choices[key] = policy.choose(self.options, what, name, dtype, nbytes,
+                                                     self._size, self.layout, self.model)
+        return got
+
+    def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
+        """The smallest message (bytes per rank) from which calls of this
+        kind are quantized, or None if none up to ``upto`` is (local: no
+        communication; every rank answers alike)."""
+        name = op_name(op)
+        n = 1024
+        while n <= upto:
+            for step in (4, 5, 6, 7):       # quarter steps of each octave
+                size = n * step // 4
+                if self._choose(what, name, np.dtype(dtype), size)[0] not in policy.EXACT:
+                    return size
+            n *= 2
+        return None
 
     def _execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
@@ -363,6 +404,25 @@ class QuantizedComm:
             self._hier = Hierarchy(self._comm)
             self._between = Engine(self._hier.inter, self.options, False, self._compile_first)
         return self._hier, self._between
+
+
+def _agreed_model(comm, layout, P, o):
+    """(where the profile came from, costmodel.Model): rank 0 finds the
+    profile and sends it to all (collective); a bad $EQUARX_MPI_PROFILE
+    raises the same ValueError everywhere."""
+    found = err = None
+    if comm.Get_rank() == 0:
+        try:
+            found = costmodel.find_profile()
+        except ValueError as e:
+            err = str(e)
+    found, err = comm.bcast((found, err))
+    if err is not None:
+        raise ValueError(f"equarx_mpi: {err}")
+    profile, source = found
+    # P // nodes, not this node's size: the same on every rank
+    return source, costmodel.Model(profile, layout.nodes, P // layout.nodes, o["wire"],
+                                   o["block_size"], o["chunks"])
 
 
 #: the schedule between nodes: two-shot where the wire has many-input kernels

@@ -8,6 +8,8 @@ not parse is ignored with a warning (as mpi4py does with MPI4PY_RC_*); an
 unknown option passed in code is a TypeError.  ``EQUARX_MPI_DISABLE=1``
 makes every call take the exact MPI collective, whatever the code asks;
 ``EQUARX_MPI_LOG=1`` logs every call's decision on rank 0 (stderr).
+``EQUARX_MPI_PROFILE=path`` names the profile algorithm="auto" decides
+with (costmodel.py).
 """
 import os
 import warnings
@@ -16,7 +18,7 @@ import numpy as np
 
 from . import formats
 
-ALGORITHMS = ("ring", "two_shot", "hierarchical", "shm", "mpi")
+ALGORITHMS = ("auto", "ring", "two_shot", "hierarchical", "shm", "mpi")
 LOSSY_OPS = ("sum", "max", "min")
 #: No single message exceeds this (MPI counts are 32-bit in many places).
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
@@ -24,8 +26,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 DEFAULTS = dict(
     wire="int8",
     block_size=None,        # the wire's own, formats.default_block: 256, int4 64, int4-affine 128
-    algorithm="ring",
+    algorithm="auto",
     chunks=None,
+    accuracy=None,          # None: any error the wire gives; "exact"; or a relative L2 error
     min_quantized_bytes=None,
     lossy_ops=("sum",),
     lossy_allgather=False,
@@ -49,6 +52,8 @@ def _parse_env(name, text):
     t = text.strip()
     if name in ("wire", "algorithm"):
         return t
+    if name == "accuracy":
+        return None if t.lower() == "none" else t if t == "exact" else float(t)
     if name == "lossy_ops":
         return tuple(s.strip().lower() for s in t.split(",") if s.strip())
     if name in ("check", "lossy_allgather"):
@@ -125,6 +130,11 @@ def check(o):
     if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES:
         raise ValueError(f"algorithm='two_shot' takes the wires {formats.MANY_INPUT_WIRES}, "
                          f"not {o['wire']!r}")
+    a = o["accuracy"]
+    if not (a is None or a == "exact" or (isinstance(a, (int, float, np.floating))
+                                          and not isinstance(a, bool) and 0 < a < 1)):
+        raise ValueError(f"accuracy must be None, 'exact' or a relative error between 0 and 1 "
+                         f"(0.02 = 2%), not {a!r}")
     c = o["chunks"]
     if c is not None and (not _is_int(c) or c < 1):
         raise ValueError(f"chunks must be None or an integer >= 1, not {c!r}")
