@@ -90,7 +90,7 @@ done
 for layout in ${LAYOUTS:-2x2 2x3 4x2}; do
     EQUARX_MPI_FAKE_NODES=$layout run_mpi $(( ${layout%x*} * ${layout#*x} )) \
         "faked layout of $layout nodes x ranks" -m "mpi and not large" \
-        tests/test_mpi_hierarchical.py tests/test_mpi_shm.py
+        tests/test_mpi_hierarchical.py tests/test_mpi_auto.py
 done
 
 # --- mpi4py's own collective buffer tests, their communicator wrapped -----------------

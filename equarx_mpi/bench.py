@@ -41,6 +41,11 @@ METHODS = {
                  dict(wire="int8", algorithm="ring", min_quantized_bytes=0)),
     "int8-2shot": ("EQuARX int8 two-shot (owner reduces at full precision) at every size",
                    dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0)),
+    "int8-hier": ("EQuARX int8 hierarchical (exact in each node, two-shot between nodes) "
+                  "at every size", dict(wire="int8", algorithm="hierarchical",
+                                        min_quantized_bytes=0)),
+    "shm": ("exact AllReduce through a shared window (one node; else MPI's)",
+            dict(algorithm="shm")),
     "int8-nocheck": ("EQuARX int8 ring as 'int8', without the per-call argument agreement",
                      dict(wire="int8", algorithm="ring", check=False)),
     "int4": ("int4 ring (block 64, its default) at every size",
@@ -52,11 +57,6 @@ METHODS = {
     "int4-aff": ("int4-affine ring (block 128, its default) at every size",
                  dict(wire="int4-affine", algorithm="ring", block_size=128,
                       min_quantized_bytes=0)),
-    "shm": ("exact, through an MPI-3 shared window (one node; MPI's own across nodes)",
-            dict(algorithm="shm")),
-    "hier": ("hierarchical: exact inside nodes, int8 two-shot between them, every size "
-             "(nodes of equal size; else the ring)",
-             dict(algorithm="hierarchical", min_quantized_bytes=0)),
     "auto": ("algorithm='auto' (the library default): the cost model's pick per call",
              dict(algorithm="auto")),
     "auto-exact": ("algorithm='auto', accuracy='exact': the faster of MPI and shm",
@@ -94,7 +94,7 @@ LEGEND = """\
 # columns (one row per message size and method):
 #   size(B), count, type   message per rank: count values of type (the same on every rank)
 #   path      what ran: "exact" = the exact MPI collective (mpi, or a library method
-#             below its size threshold), "shm" = exact through a shared window;
+#             below its size threshold); "shm" = the exact shared-window sum;
 #             else algorithm/wire format, e.g. ring/int8
 #   avg(us) min(us) max(us)   time per call: each rank's median over the timed calls,
 #             then the average, minimum and maximum of those over ranks
@@ -243,8 +243,8 @@ def _make_comms(comm, methods, block):
 
 
 def _path(qc):
-    """'exact' when the exact MPI collective ran, 'shm' for the exact
-    shared-window method, else 'algorithm/wire'."""
+    """'exact' when the exact MPI collective ran, 'shm' for the exact shared
+    window, else 'algorithm/wire'."""
     last = None if qc is None else qc.last_call
     if last is None or last.wire is None:
         return "shm" if last is not None and last.method == "shm" else "exact"

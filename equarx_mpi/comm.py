@@ -12,13 +12,13 @@ from typing import NamedTuple, Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import costmodel, exact, formats, options, policy
+from . import costmodel, exact, formats, options, policy, profiles
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
 from .engine import Engine
 from .nonblocking import Executor, PersistentRequest, PoliteRequest
 from .shm import split_nodes
-from .validate import check_buffers, op_name
+from .validate import BFLOAT16, check_buffers, op_name
 
 
 class CallInfo(NamedTuple):
@@ -121,19 +121,16 @@ class QuantizedComm:
         ring), "shm" (exact, through a shared window, when all ranks share
         a node) or "mpi" (always MPI's own collective).
     accuracy: the error the caller accepts: None (the default: what the
-        wire gives), "exact" (only exact methods), or a number, the largest
-        relative L2 error accepted on standard-normal data (0.01 = 1%) by
-        the error model (costmodel.error: the int8 ring 0.85/1.10/1.47/2.03%
-        at 2/4/8/16 ranks, two-shot 0.85-0.98% at any count).  A quantized
-        method predicted above it is never taken, by any algorithm: the
-        call is exact instead.
+        wire gives), "exact" (only exact methods), or the largest relative
+        L2 error on standard-normal data (0.01 = 1%) by costmodel.error; a
+        quantized method predicted above it is never taken, by any
+        algorithm: the call is exact instead.
     chunks: pieces per shard for pipelining; None: one piece when all ranks
         share a node, else about 256 KiB of input per piece (at most 8).
     min_quantized_bytes: messages smaller than this (bytes per rank; for the
-        two halves, the P*m-value buffer) are exact and larger ones
-        quantized (if allowed); None (the default): quantized where the cost
-        model predicts it at least 5% faster than exact
-        (``crossover()`` tells the size).
+        two halves, the P*m-value buffer) use an exact method; None takes
+        the measured default: 4 MiB on one node, 256 KiB across nodes, and
+        under "auto" the cost model's crossover (``crossover()``).
     lossy_ops: the reductions that may travel quantized, from "sum", "max",
         "min"; default ("sum",): MAX and MIN are exact unless named here,
         and then MAX is never below (MIN never above) the true result.
@@ -187,11 +184,14 @@ class QuantizedComm:
         node.Free()
         #: all ranks on one node (shared memory)
         self.one_node = self.layout.one_node
-        #: the cost model behind algorithm="auto" and the crossovers: rank
-        #: 0's profile, so that every rank decides alike
-        self.profile_source, self.model = _agreed_model(self._comm, self.layout,
-                                                        self._comm.Get_size(), o)
-        self._choices = {}
+        #: the profile algorithm="auto" and the crossovers decide with, and
+        #: where it came from: rank 0's, so that every rank decides alike
+        self.profile, self.profile_source = profiles.agreed(self._comm)
+        P = self._comm.Get_size()
+        # P // nodes, not this node's size: the same on every rank
+        model = costmodel.Model(self.profile, self.layout.nodes, P // self.layout.nodes,
+                                o["wire"], o["block_size"], o["chunks"])
+        self._choose = policy.Chooser(o, P, self.layout, model)
         self._engine = Engine(self._comm, o, self.one_node, compile_first)
         self._compile_first = compile_first
         self._shm = self._hier = self._between = None    # made on first use (collective)
@@ -256,6 +256,18 @@ class QuantizedComm:
         self.Allreduce(x, out, op)
         return out
 
+    def empty(self, shape, dtype=np.float32):
+        """Collective: an uninitialised array to reduce with ``algorithm="shm"``.
+        On one node it lives in the shared window, so an Allreduce with it as
+        sendbuf (or recvbuf, in place) skips the copy in; every call returns
+        the same memory (one such buffer at a time), valid until free().
+        Elsewhere, or for types the window does not reduce, a plain array."""
+        dtype = np.dtype(dtype)
+        if self.layout.one_node and self._size > 1 and (dtype.kind == "f" or dtype == BFLOAT16) \
+                and dtype.itemsize <= 8:
+            return self._window().empty(shape, dtype)
+        return np.empty(shape, dtype)
+
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
         """recvbuf (m values) = op over ranks of block ``rank`` of sendbuf
         (P*m values).  With ``MPI.IN_PLACE`` the input is recvbuf (P*m values)
@@ -289,37 +301,21 @@ class QuantizedComm:
                 reason = "empty message"
             else:
                 method, reason = self._choose(what, name, recv.dtype, nbytes)
+        if method == "shm":   # a window buffer or none, on every rank (shm.py's base)
+            meta = meta + [("window buffer", int(self._shm is not None and
+                                                 self._shm.is_window_buffer(
+                                                     recv if send is None else send)))]
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
             agree(self._ctl, what, meta + [("method", method)], err)
         elif err is not None:
             raise err
         return Call(what, send, recv, op, name, method, reason, nbytes)
 
-    def _choose(self, what, name, dtype, nbytes):
-        """policy.choose, remembered per call shape (the model takes tens of
-        microseconds; a shape's answer never changes)."""
-        key = (what, name, dtype, nbytes, options.disabled())
-        got = self._choices.get(key)
-        if got is None:
-            if len(self._choices) >= 1024:
-                self._choices.clear()
-            got = self._choices[key] = policy.choose(self.options, what, name, dtype, nbytes,
-                                                     self._size, self.layout, self.model)
-        return got
-
     def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
         """The smallest message (bytes per rank) from which calls of this
         kind are quantized, or None if none up to ``upto`` is (local: no
         communication; every rank answers alike)."""
-        name = op_name(op)
-        n = 1024
-        while n <= upto:
-            for step in (4, 5, 6, 7):       # quarter steps of each octave
-                size = n * step // 4
-                if self._choose(what, name, np.dtype(dtype), size)[0] not in policy.EXACT:
-                    return size
-            n *= 2
-        return None
+        return self._choose.crossover(what, op_name(op), np.dtype(dtype), upto)
 
     def _execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
@@ -404,25 +400,6 @@ class QuantizedComm:
             self._hier = Hierarchy(self._comm)
             self._between = Engine(self._hier.inter, self.options, False, self._compile_first)
         return self._hier, self._between
-
-
-def _agreed_model(comm, layout, P, o):
-    """(where the profile came from, costmodel.Model): rank 0 finds the
-    profile and sends it to all (collective); a bad $EQUARX_MPI_PROFILE
-    raises the same ValueError everywhere."""
-    found = err = None
-    if comm.Get_rank() == 0:
-        try:
-            found = costmodel.find_profile()
-        except ValueError as e:
-            err = str(e)
-    found, err = comm.bcast((found, err))
-    if err is not None:
-        raise ValueError(f"equarx_mpi: {err}")
-    profile, source = found
-    # P // nodes, not this node's size: the same on every rank
-    return source, costmodel.Model(profile, layout.nodes, P // layout.nodes, o["wire"],
-                                   o["block_size"], o["chunks"])
 
 
 #: the schedule between nodes: two-shot where the wire has many-input kernels

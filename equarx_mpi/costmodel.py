@@ -2,7 +2,7 @@
 method for a call, from a profile of the machine, and the error each
 method adds.
 
-A profile (JSON; ``python -m equarx_mpi.tune`` measures one, see
+A profile (profiles.py; ``python -m equarx_mpi.tune`` measures one, see
 docs/TUNING.md) holds what the machine does, not what each method took:
 
 - ``cores``: cores per node; ``kernels[wire][dtype][kernel]``: seconds per
@@ -29,22 +29,12 @@ better of a ring and recursive doubling, times what was measured.
 Every number a decision uses comes from the profile and the call's agreed
 arguments through + - * / and sqrt only (IEEE-exact), so every rank, on
 any CPU, decides alike given the same profile; QuantizedComm makes rank 0's
-profile everyone's.
+profile everyone's (profiles.agreed).
 """
-import copy as _copy
-import hashlib
-import json
 import math
-import os
-import platform
-import re
-import socket
-import warnings
 
 from . import formats
 
-PROFILE_VERSION = 1
-PROFILE_ENV = "EQUARX_MPI_PROFILE"
 #: shm.ONESHOT_BYTES (kept here so the model imports no MPI; a test checks)
 ONESHOT_BYTES = 64 << 10
 KERNELS = ("encode", "decode", "decode_reduce", "hop", "many")
@@ -85,96 +75,6 @@ def error(method, wire, block, P, nodes):
         inner = "two_shot" if wire in formats.MANY_INPUT_WIRES else "ring"
         return error(inner, wire, block, nodes, nodes)
     raise ValueError(f"no method {method!r}")
-
-
-# --- profiles -------------------------------------------------------------------
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def host_key(hostname=None):
-    """What names a machine, or a cluster of like nodes, for its profile:
-    the CPU model, the cores per node and the host name without its digits
-    (node017 and node102 share a profile).  12 hex digits."""
-    name = re.sub(r"\d+", "", (hostname or socket.gethostname()).split(".")[0])
-    text = f"{_cpu_model()}|{os.cpu_count()}|{name}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def default_path(key=None):
-    """Where tune saves, and QuantizedComm looks for, this machine's profile:
-    $XDG_CACHE_HOME (or ~/.cache)/equarx_mpi/profile-<host_key>.json."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "equarx_mpi", f"profile-{key or host_key()}.json")
-
-
-def builtin():
-    """The profile measured on the project's own machine (docs/TUNING.md)."""
-    from .costmodel_builtin import PROFILE
-    return _copy.deepcopy(PROFILE)
-
-
-def check(p):
-    """Raise ValueError unless ``p`` looks like a profile of this version."""
-    if not isinstance(p, dict) or p.get("version") != PROFILE_VERSION:
-        raise ValueError(f"not a version-{PROFILE_VERSION} equarx_mpi profile")
-    for name in ("cores", "copy", "kernels", "layouts"):
-        if name not in p:
-            raise ValueError(f"profile lacks {name!r}")
-    for name, lay in p["layouts"].items():
-        n = len(lay.get("sizes", []))
-        if any(len(t) != n for t in lay.get("times", {}).values()):
-            raise ValueError(f"profile layout {name}: times and sizes differ in length")
-    return p
-
-
-def load(path):
-    with open(path) as f:
-        return check(json.load(f))
-
-
-def merge(base, top):
-    """``top`` over ``base``: top's layouts, kernels and scalars win, what
-    only base has stays (a one-node profile borrows the built-in network)."""
-    out = _copy.deepcopy(base)
-    for k, v in top.items():
-        if k == "layouts":
-            out["layouts"].update(_copy.deepcopy(v))
-        elif k == "kernels":
-            for wire, per in v.items():
-                out["kernels"].setdefault(wire, {}).update(_copy.deepcopy(per))
-        else:
-            out[k] = _copy.deepcopy(v)
-    return out
-
-
-def find_profile():
-    """(profile, where it came from): $EQUARX_MPI_PROFILE (a path, or
-    "builtin"), else this machine's saved profile if there is one, else the
-    built-in one; always over the built-in, which fills what it lacks.  A
-    bad file named by the variable raises ValueError; a bad saved one warns."""
-    path = os.environ.get(PROFILE_ENV, "").strip()
-    if path == "builtin":
-        return builtin(), "builtin"
-    if path:
-        try:
-            return merge(builtin(), load(path)), path
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{PROFILE_ENV}={path!r}: {e}") from None
-    path = default_path()
-    if os.path.exists(path):
-        try:
-            return merge(builtin(), load(path)), path
-        except (OSError, ValueError) as e:
-            warnings.warn(f"equarx_mpi: ignoring the profile {path}: {e}", stacklevel=2)
-    return builtin(), "builtin"
 
 
 # --- arithmetic every rank does alike ---------------------------------------------

@@ -5,10 +5,7 @@ Lossy only where the caller asked for it: SUM is quantized by default;
 MAX and MIN only when ``lossy_ops`` names them (then rounded so MAX is
 never below and MIN never above the true result); every other op and
 every non-float dtype is exact.  Small messages take exact MPI too, below
-the crossover where quantizing stops paying: where the cost model
-(costmodel.py, a profile measured by ``python -m equarx_mpi.tune``)
-predicts the quantized method at least LOSSY_MARGIN faster than the exact
-one, or from ``min_quantized_bytes`` when that is given.
+``min_quantized_bytes`` (default DEFAULT_MIN_QUANTIZED_BYTES).
 
 algorithm="auto" picks, per call, the fastest predicted method among those
 allowed: the exact ones (MPI; the shared window on one node) and the
@@ -25,8 +22,14 @@ from . import kernels as K
 from .options import disabled
 from .validate import QUANTIZED_DTYPES
 
-#: A quantized method runs only where predicted this much faster than the
-#: exact one (1.05: at most 5% slower than the best, by the model).
+#: Below this many bytes per rank the exact MPI collective is used by the
+#: named algorithms (not auto, which asks the cost model): one value when
+#: all ranks share a node (shared memory: MPI's copy is cheap, the kernels'
+#: passes over memory are not), one across nodes.  Measured with
+#: ``python -m equarx_mpi.bench``; see README "Defaults".
+DEFAULT_MIN_QUANTIZED_BYTES = {"one_node": 4 << 20, "network": 256 << 10}
+#: auto takes a quantized method only where the model predicts it this much
+#: faster than the best exact one: exactness wins near-ties.
 LOSSY_MARGIN = 1.05
 #: Automatic pipelining across nodes: about this many input bytes per piece,
 #: at most MAX_AUTO_CHUNKS pieces per shard.  On one node a shard goes as one
@@ -84,7 +87,7 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model):
             times[m] = model.time(m, nbytes, np.dtype(dtype).itemsize, _dtype_name(dtype))
         return times[m]
 
-    best_exact = min(exact, key=t) if len(exact) > 1 else "mpi"
+    best_exact = min(exact, key=t) if len(exact) > 1 else "mpi"   # no model unless auto
     if what != "Allgather":
         if opname not in opts["lossy_ops"]:
             return best_exact, (f"op {opname.upper()} is exact unless lossy_ops "
@@ -96,14 +99,17 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model):
     if not lossy:
         return best_exact, why
     least = opts["min_quantized_bytes"]
+    if alg != "auto":       # the measured crossover, no model
+        least = DEFAULT_MIN_QUANTIZED_BYTES["one_node" if layout.one_node else
+                                            "network"] if least is None else least
     if least is not None and nbytes < least:
         return best_exact, f"{nbytes} bytes is below min_quantized_bytes={least}"
-    best = min(lossy, key=t)
-    if least is None and t(best) * LOSSY_MARGIN > t(best_exact):
-        return best_exact, (f"exact is predicted faster: {_predicted(times, best_exact)}, "
-                            f"{_predicted(times, best)}")
     if alg != "auto":
-        return best, why
+        return lossy[0], why
+    best = min(lossy, key=t)
+    if t(best) * LOSSY_MARGIN > t(best_exact):
+        return best_exact, (f"auto: exact is predicted faster: {_predicted(times, best_exact)}, "
+                            f"{_predicted(times, best)}")
     return best, (f"auto: {_predicted(times, best)}, error {model.error(best):.2%}; "
                   f"{_predicted(times, best_exact)}")
 
@@ -144,6 +150,37 @@ def _lossy_candidates(opts, what, layout, model):
         errs = ", ".join(f"{m} {model.error(m):.2%}" for m in cands)
         return [], f"accuracy={acc:g}: no quantized method is that accurate ({errs})"
     return fits, why
+
+
+class Chooser:
+    """choose() for one communicator, remembered per call shape: the model
+    takes tens of microseconds, and a shape's answer never changes."""
+
+    def __init__(self, opts, P, layout, model):
+        self.opts, self.P, self.layout, self.model = opts, P, layout, model
+        self._seen = {}
+
+    def __call__(self, what, opname, dtype, nbytes):
+        key = (what, opname, dtype, nbytes, disabled())
+        got = self._seen.get(key)
+        if got is None:
+            if len(self._seen) >= 1024:
+                self._seen.clear()
+            got = self._seen[key] = choose(self.opts, what, opname, dtype, nbytes, self.P,
+                                           self.layout, self.model)
+        return got
+
+    def crossover(self, what, opname, dtype, upto):
+        """The smallest size (quarter-octave steps from 1 KiB) that is
+        quantized, or None up to ``upto``."""
+        n = 1024
+        while n <= upto:
+            for step in (4, 5, 6, 7):
+                size = n * step // 4
+                if self(what, opname, dtype, size)[0] not in EXACT:
+                    return size
+            n *= 2
+        return None
 
 
 def chunks(opts, one_node, biggest_shard_bytes):

@@ -138,12 +138,13 @@ class ShmAllreduce:
         self._win = self._mem = None    # the current window and its bytes
         self._retired = []      # older windows that empty() buffers still point into
         self._lent = False      # whether empty() handed out part of the current one
+        self._lent_bytes = 0    # its size; other inputs are copied in after it
         self.cap = self._rcap = self._stride = 0
         self._views = {}        # dtype -> flat array over the window
         self._plans = {}        # message shape -> views (see _plan)
         self._acc = {d: np.empty(SK.TILE, d) for d in (np.dtype(np.float32), np.dtype(np.float64))}
         self._oneshots = 0
-        self._pending = None    # (n, kernel dtype, result dtype) between the halves
+        self._pending = None    # (n, kernel dtype, result dtype, base) between the halves
         self._warmed = set()
 
     # --- lifetime -------------------------------------------------------------
@@ -189,7 +190,7 @@ class ShmAllreduce:
             else:
                 self._win.Unlock_all()
                 self._win.Free()
-        self._win, self._lent = win, False
+        self._win, self._lent, self._lent_bytes = win, False, 0
         self._mem = raw[pad:pad + self.P * stride]
         self.cap, self._rcap, self._stride = cap, rcap, stride
         self._views, self._plans = {}, {}
@@ -211,20 +212,28 @@ class ShmAllreduce:
         self._win.Sync()
 
     def empty(self, shape, dtype):
-        """Collective: an uninitialised array in this rank's data slot.  As
-        sendbuf (or recvbuf in place) of allreduce/reduce_scatter it saves the
-        copy in.  Every call returns the same memory (one such buffer at a
-        time).  It stays valid until free(), also after the window grows, but
-        then it is no longer the slot and is copied like any other array."""
+        """Collective (every rank passes the same shape and dtype): an
+        uninitialised array in this rank's data slot.  As sendbuf (or recvbuf
+        in place) of allreduce/reduce_scatter it saves the copy in; other
+        inputs are then copied in after it, so it keeps its values.  Every
+        call returns the same memory (one such buffer at a time).  It stays
+        valid until free(), also after the window grows, but then it is no
+        longer the slot and is copied like any other array."""
         dtype = np.dtype(dtype)
         if dtype not in _TYPES:
             raise TypeError(f"ShmAllreduce.empty: unsupported dtype {dtype}")
         shape = tuple(shape) if np.iterable(shape) else (int(shape),)
         n = math.prod(shape)
-        self.reserve(max(n * dtype.itemsize, 1))
-        self._lent = True
+        lent = _round_up(max(n * dtype.itemsize, 1), LINE)
+        self.reserve(2 * lent)          # room for another input of its size after it
+        self._lent, self._lent_bytes = True, lent
         start = self.rank * self._stride
         return self._mem[start:start + n * dtype.itemsize].view(dtype).reshape(shape)
+
+    def is_window_buffer(self, a):
+        """Whether array a starts at this rank's data slot (an empty() buffer)."""
+        return (self._lent and isinstance(a, np.ndarray)
+                and _address(a) == _address(self._mem[self.rank * self._stride:]))
 
     # --- the collective -------------------------------------------------------
     def bounds(self, n, dtype, k=None):
@@ -262,7 +271,7 @@ class ShmAllreduce:
         if self._pending is None:
             raise RuntimeError("ShmAllreduce.allgather: no reduce_scatter before it")
         _, out, _ = self._check("allgather", None, recv, MPI.SUM)
-        n, kd, _ = self._pending
+        n, kd = self._pending[:2]
         if (out.size, out.dtype) != (n, kd):
             raise ValueError(f"ShmAllreduce.allgather: recvbuf ({recv.size} x {recv.dtype}) "
                              f"does not match the reduce_scatter's message ({n} values)")
@@ -329,16 +338,18 @@ class ShmAllreduce:
             acc = self._acc[_ACC_OF_KERNEL[win.dtype]]
             SK.reduce_slots(win, stride, self.P, self.rank, own, lo, hi, kop, acc, out, out2)
 
-    def _plan(self, n, kd, rd):
+    def _plan(self, n, kd, rd, base):
         """Views of the two-phase schedule for n values of kernel type kd
-        with results of type rd, built once per window and message shape:
-        (window, slot stride, own data slot and its address, every rank's
-        (lo, hi, result region))."""
-        key = (n, kd, rd)
+        with results of type rd, the data starting ``base`` bytes into each
+        slot, built once per window and message shape: (window, slot
+        stride, own data slot and its address, every rank's (lo, hi, result
+        region))."""
+        key = (n, kd, rd, base)
         plan = self._plans.get(key)
         if plan is None:
             s = kd.itemsize
             win, stride = self._view(kd), self._stride // s
+            win = win[base // s:]
             slot = win[self.rank * stride:self.rank * stride + n]
             parts = []
             for k in range(self.P):
@@ -350,10 +361,15 @@ class ShmAllreduce:
 
     def _reduce_scatter(self, src, kop, keep_acc, own_out):
         n, kd = src.size, src.dtype
-        self.reserve(max(n * kd.itemsize, 1))
+        # other inputs go after a lent empty() buffer, which keeps its values
+        # (callers agree on whether the input is that buffer: then every
+        # rank picks the same base)
+        base = 0 if self.is_window_buffer(src) else self._lent_bytes
+        self.reserve(max(base + n * kd.itemsize, 1))
+        base = min(base, self._lent_bytes)      # 0 if the window just grew
         self._warm(kd)
         rd = _ACC_OF_KERNEL[kd] if keep_acc else kd
-        win, stride, slot, addr, parts = self._plan(n, kd, rd)
+        win, stride, slot, addr, parts = self._plan(n, kd, rd, base)
         lo, hi, res = parts[self.rank]
         if _address(src) != addr:
             # the others read all but this rank's own slice, which it reads
@@ -363,13 +379,13 @@ class ShmAllreduce:
         self._sync()
         self._reduce(win, stride, src, lo, hi, kop, res,
                      win[:0] if own_out is None else own_out[lo:hi])
-        self._pending = (n, kd, rd)
+        self._pending = (n, kd, rd, base)
         return res
 
     def _allgather(self, out, skip_own):
-        n, kd, rd = self._pending
+        n, kd, rd, base = self._pending
         self._pending = None
-        parts = self._plan(n, kd, rd)[4]
+        parts = self._plan(n, kd, rd, base)[4]
         self._sync()
         for k, (lo, hi, res) in enumerate(parts):
             if skip_own and k == self.rank:

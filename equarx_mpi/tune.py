@@ -10,7 +10,7 @@ rank, then for each layout it can form from the job's ranks (the first 2,
 job) the message latency and bandwidth inside a node and between nodes, a
 barrier, a copy and a kernel with every rank busy, and the time of every
 method at a few sizes.  Ranks not being measured sleep.  Progress goes to
-stderr; the profile to costmodel.default_path() (merged into what is
+stderr; the profile to profiles.default_path() (merged into what is
 there), where QuantizedComm finds it.  A few minutes at 8 ranks on 2 cores;
 ``--quick`` (the whole job only, two small sizes) takes seconds.
 
@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from . import costmodel
+from . import costmodel, profiles
 from .bench import human, parse_size
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -234,17 +234,17 @@ def measure(args):
     say = (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush())) \
         if rank == 0 else (lambda text: None)
     t_start = time.perf_counter()
-    key = world.bcast(costmodel.host_key())
-    path = world.bcast(args.output or costmodel.default_path(key))
+    key = world.bcast(profiles.host_key())
+    path = world.bcast(args.output or profiles.default_path(key))
     node = split_nodes(world)
     if rank == 0:
         folder = os.path.dirname(os.path.abspath(path))
         os.makedirs(folder, exist_ok=True)
     say(f"# equarx_mpi.tune: {world.Get_size()} ranks, {mpi_library()}; profile -> {path}")
-    prof = {"version": costmodel.PROFILE_VERSION, "source": "tune", "key": key,
+    prof = {"version": profiles.VERSION, "source": "tune", "key": key,
             "cores": world.bcast(os.cpu_count()), "kernels": {}, "layouts": {}}
     if rank == 0:
-        prof["machine"] = {"cpu": costmodel._cpu_model(), "mpi": mpi_library(),
+        prof["machine"] = {"cpu": profiles.cpu_model(), "mpi": mpi_library(),
                            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                                timespec="seconds"),
                            "command": " ".join(["python -m equarx_mpi.tune"] + sys.argv[1:]),
@@ -297,9 +297,9 @@ def _save(prof, path, fresh):
     """Write prof to path, over the layouts already there (same machine)."""
     if os.path.exists(path) and not fresh:
         try:
-            old = costmodel.load(path)
+            old = profiles.load(path)
             if old.get("key") == prof["key"]:
-                prof = costmodel.merge(old, prof)
+                prof = profiles.merge(old, prof)
         except (OSError, ValueError):
             pass
     tmp = path + ".tmp"

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from . import costmodel
+from . import costmodel, profiles
 from .bench import METHODS, human, parse_size
 from .cluster import parse_rate
 
@@ -15,8 +15,8 @@ LOSSY = ("ring", "two_shot", "hierarchical")
 
 def _profile(path):
     if path is None:
-        return costmodel.find_profile()
-    return costmodel.merge(costmodel.builtin(), costmodel.load(path)), path
+        return profiles.find_profile()
+    return profiles.merge(profiles.builtin(), profiles.load(path)), path
 
 
 def _latency(text):
@@ -192,12 +192,12 @@ def builtin(argv):
                                 "equarx_mpi/costmodel_builtin.py.")
     p.add_argument("profiles", nargs="+")
     a = p.parse_args(argv)
-    merged = costmodel.load(a.profiles[0])
+    merged = profiles.load(a.profiles[0])
     for path in a.profiles[1:]:
-        merged = costmodel.merge(merged, costmodel.load(path))
+        merged = profiles.merge(merged, profiles.load(path))
     merged.update(source="builtin", key="builtin")
     merged.pop("machine", None)
-    machines = [costmodel.load(path).get("machine", {}) for path in a.profiles]
+    machines = [profiles.load(path).get("machine", {}) for path in a.profiles]
     head = "".join(f"#   {m.get('command', '?')}  ({m.get('ranks', '?')} ranks, "
                    f"{m.get('date', '?')}, load {m.get('load_before', '?')})\n"
                    for m in machines)

@@ -241,7 +241,7 @@ def main(argv=None):
                    help="type of the reduced fields (the simulation is float64)")
     p.add_argument("--anomaly", default="both", choices=list(MODES),
                    help="reduce anomalies from the previous mean (on), raw fields (off), or both")
-    p.add_argument("--methods", default="mpi,bf16,int8",
+    p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, from {','.join(METHODS)} (mpi always runs)")
     p.add_argument("--json", help="also write the results to this file (rank 0)")
     p.add_argument("--small", action="store_true", help="tiny sizes, for tests")

@@ -15,6 +15,9 @@ METHODS = {
     "mpi": None,                                         # exact, what MPI codes use today
     "bf16": dict(wire="bf16", min_quantized_bytes=0),    # uncompressed 16-bit ring
     "int8": dict(wire="int8", min_quantized_bytes=0),    # EQuARX int8 ring, every size
+    "int8-2shot": dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0),
+    "fp8": dict(wire="fp8", min_quantized_bytes=0),      # e4m3 codes, ring
+    "int4": dict(wire="int4", min_quantized_bytes=0),    # half int8's bytes, ring
 }
 
 

@@ -272,7 +272,7 @@ def main(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"default {v or 'hidden/heads'} ({SMALL[k] or 'hidden/heads'} with --small)")
     p.add_argument("--repeat", type=int, default=5, help="timed forwards per method")
-    p.add_argument("--methods", default="mpi,bf16,int8",
+    p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated, from {','.join(METHODS)} (mpi always runs: the reference)")
     p.add_argument("--json", help="also write the results to this file (rank 0)")
     p.add_argument("--small", action="store_true", help="tiny dims, for tests")

@@ -17,7 +17,7 @@ from mpi4py import MPI
 from equarx_mpi import QuantizedComm
 from equarx_mpi.shm import parse_nodes, slice_bounds
 
-from mpi_helpers import everywhere
+from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16, two_shot_allreduce, unit_roundoff
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -133,3 +133,20 @@ def test_shm_method_is_exact_in_rank_order(dtype, op):
     for x in xs[1:]:
         want = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op](want, x.astype(acc))
     everywhere(got.tobytes() == want.astype(dtype).tobytes(), "rank-order float reduction")
+
+
+def test_window_buffers_skip_the_copy_in_and_give_the_same_bits():
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    xs = inputs(300001, np.float32, seed=4)
+    with QuantizedComm(WORLD, algorithm="shm", min_quantized_bytes=0) as qc:
+        buf = qc.empty(xs[r].shape, np.float32)
+        buf[...] = xs[r]
+        qc.Allreduce(MPI.IN_PLACE, buf)
+        plain = qc.allreduce(xs[r])
+        everywhere(buf.tobytes() == plain.tobytes(), "window buffer: the same result")
+        ints = qc.empty(10, np.int32)
+        everywhere(ints.shape == (10,) and ints.dtype == np.int32, "other types: plain arrays")
+        if P > 1 and len(node_sizes()) == 1:
+            other = buf if r == 0 else np.ones(buf.shape, np.float32)
+            raises_everywhere(ValueError, lambda: qc.Allreduce(MPI.IN_PLACE, other),
+                              "window buffer differs between ranks")

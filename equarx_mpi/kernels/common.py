@@ -266,6 +266,20 @@ def _wire_inf_bits(arr):
     return lambda arr: np.uint64(inf)
 
 
+@njit(inline='always', **CACHE)
+def keep_or_skip(out, lo, m, vals, max_u, limit_u, b, skipped, flagged):
+    """The end of a decode: store vals[:m] into out[lo:lo+m], unless their
+    largest magnitude bits max_u reach limit_u (Inf/NaN, or too big for
+    out); then leave out alone and note block b in skipped.  Returns the
+    new count of skipped blocks."""
+    if max_u >= limit_u:
+        skipped[flagged] = b
+        return flagged + 1
+    for j in range(m):
+        store(out, np.uint64(lo + j), vals[j])
+    return flagged
+
+
 @njit(**CACHE)
 def reduce2(op, a, b):
     # Comparisons keep a NaN from either side, like numpy's maximum/minimum.

@@ -28,7 +28,7 @@ from numba.extending import overload
 from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max,
                      acc_block, as_acc, f32_as_u32, f64_as_u64, from_abs_bits, load,
                      out_limit, reduce2, store, u32_as_f32, u64_as_f64, wide_tiny_lift,
-                     wide_vectors)
+                     wide_vectors, keep_or_skip)
 
 LARGEST = 448
 MAX_CODE = 0x7E
@@ -241,12 +241,8 @@ def f8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        if _reduce_block(own, header, codes, b, lo, m, op, scratch) >= limit_u:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
+        flagged = keep_or_skip(out, lo, m, scratch, _reduce_block(own, header, codes, b, lo, m, op, scratch),
+                               limit_u, b, skipped, flagged)
     return flagged
 
 

@@ -19,7 +19,7 @@ from numba import njit
 
 from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max,
                      acc_block, as_acc, from_abs_bits, load, out_limit, reduce2, sign_code,
-                     store, wide_tiny_lift, wide_vectors)
+                     store, wide_tiny_lift, wide_vectors, keep_or_skip)
 
 LEVELS = 7
 _U = np.uint64
@@ -183,12 +183,8 @@ def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        if _reduce_block(own, header, codes, b, lo, m, op, k, scratch) >= limit_u:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
+        flagged = keep_or_skip(out, lo, m, scratch, _reduce_block(own, header, codes, b, lo, m, op, k, scratch),
+                               limit_u, b, skipped, flagged)
     return flagged
 
 

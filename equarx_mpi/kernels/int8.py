@@ -38,7 +38,7 @@ from numba.extending import overload
 
 from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, as_acc,
                      from_abs_bits, load, out_limit, reduce2, sign_code, store,
-                     wide_vectors)
+                     wide_vectors, keep_or_skip)
 
 LEVELS = 127
 _U = np.uint64
@@ -213,12 +213,8 @@ def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        if _reduce_block(own, header, codes, b, lo, m, op, k, scratch) >= limit_u:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
+        flagged = keep_or_skip(out, lo, m, scratch, _reduce_block(own, header, codes, b, lo, m, op, k, scratch),
+                               limit_u, b, skipped, flagged)
     return flagged
 
 
@@ -329,10 +325,6 @@ def i8_decode_reduce_many(own, pos, heads, codes, h, out, block, op, scratch, sk
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        if _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch) >= limit_u:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
+        flagged = keep_or_skip(out, lo, m, scratch, _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch),
+                               limit_u, b, skipped, flagged)
     return flagged

@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from .common import (CACHE, OP_SUM, abs_bits, as_acc, load, out_limit, reduce2, store,
-                     wire_abs_bits, wire_inf_bits)
+                     wire_abs_bits, wire_inf_bits, keep_or_skip)
 
 _U = np.uint64
 
@@ -56,12 +56,7 @@ def plain_decode_reduce(own, wire, out, block, op, scratch, skipped):
             v = reduce2(op, load(own, i), load(wire, i))
             scratch[j] = v
             mx = max(mx, abs_bits(v))
-        if mx >= inf:
-            skipped[flagged] = lo // block
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
+        flagged = keep_or_skip(out, lo, m, scratch, mx, inf, lo // block, skipped, flagged)
     return flagged
 
 
@@ -135,10 +130,6 @@ def plain_decode_reduce_many(own, pos, wires, out, block, op, scratch, skipped):
     flagged = 0
     for lo in range(0, n, block):
         m = min(block, n - lo)
-        if _reduce_many(own, pos, wires, lo, m, op, scratch) >= limit:
-            skipped[flagged] = lo // block
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo + j), scratch[j])
+        flagged = keep_or_skip(out, lo, m, scratch, _reduce_many(own, pos, wires, lo, m, op, scratch),
+                               limit, lo // block, skipped, flagged)
     return flagged
