@@ -301,10 +301,12 @@ class QuantizedComm:
                 reason = "empty message"
             else:
                 method, reason = self._choose(what, name, recv.dtype, nbytes)
-        if method == "shm":   # a window buffer or none, on every rank (shm.py's base)
-            meta = meta + [("window buffer", int(self._shm is not None and
-                                                 self._shm.is_window_buffer(
-                                                     recv if send is None else send)))]
+        # a window buffer or none, on every rank (shm.py's base); a field for
+        # every method, so that a rank whose checks failed (method "mpi")
+        # agrees with the same number of fields as the others
+        meta = meta + [("window buffer", int(method == "shm" and self._shm is not None and
+                                             self._shm.is_window_buffer(
+                                                 recv if send is None else send)))]
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
             agree(self._ctl, what, meta + [("method", method)], err)
         elif err is not None:
