@@ -118,7 +118,7 @@ class Hw:
     def __init__(self, profile, nodes, rpn, wire, dtype_name):
         C = profile["cores"]
         lays = profile["layouts"]
-        self.nodes, self.rpn, self.cores = nodes, rpn, C
+        self.nodes, self.rpn = nodes, rpn
         kern = profile["kernels"].get(wire) or profile["kernels"]["int8"]
         self.kern = kern.get(dtype_name) or kern["float32"]
         crowd = lambda L: max(1.0, L / C)      # noqa: E731  (ranks per core)

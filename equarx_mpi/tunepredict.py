@@ -9,7 +9,7 @@ import sys
 from . import costmodel, profiles
 from .bench import METHODS, human, parse_size
 from .cluster import parse_rate
-from .policy import LOSSY_MARGIN
+from .policy import LOSSY_MARGIN, near_fastest
 
 LOSSY = ("ring", "two_shot", "hierarchical")
 
@@ -36,7 +36,7 @@ def cluster_hw(profile, nodes, rpn, rate_bits, latency, wire="int8"):
     barrier of 2 latencies per doubling of the ranks."""
     base = costmodel.Hw(profile, 1, 2, wire, "float32")
     P = nodes * rpn
-    return costmodel._variant(base, nodes=nodes, rpn=rpn, cores=rpn, share=1.0,
+    return costmodel._variant(base, nodes=nodes, rpn=rpn, share=1.0,
                               copy=profile["copy"], net_alpha=latency,
                               net_beta=8.0 / rate_bits, sync=2 * latency * costmodel.lg(P))
 
@@ -98,7 +98,7 @@ def predict(argv):
                                         costmodel.formats.default_block(a.wire))
                     ok = [x for x in LOSSY if x in t
                           and (a.accuracy is None or m.error(x) <= a.accuracy)]
-                    best = min(ok, key=t.get) if ok else "mpi"
+                    best = near_fastest(ok, t.get, m.error) if ok else "mpi"
                     if t[best] * LOSSY_MARGIN > t["mpi"]:
                         best = "mpi"
                     cell = lambda x: f"{t[x] * 1e3:9.2f}" if x in t else f"{'-':>9}"  # noqa
