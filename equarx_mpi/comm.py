@@ -12,7 +12,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import bound, exact, formats, options, policy
+from . import bound, costmodel, exact, formats, options, policy, profiles
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
 from .calls import Call, CallInfo, Counting, Stats, uncompressed_bytes  # noqa: F401 (public here)
@@ -36,40 +36,10 @@ class QuantizedComm:
     MPI.FLOAT], [buf, (count, displ), MPI.FLOAT]; ``MPI.IN_PLACE`` or None
     as sendbuf (or the same buffer twice for Allreduce) works in place.
 
-    Options (keywords; each also settable as EQUARX_MPI_<NAME>, see options.py):
-
-    wire: "int8" (dynamic block-wise int8, the product); "int4" (half the
-        bytes, about 15x the error), "fp8" (e4m3 codes), "int8-affine" and
-        "int4-affine" (codes between each block's minimum and maximum, for
-        data with an offset; docs/FORMAT.md); or the uncompressed baselines
-        "bf16" (bfloat16; float16 input travels as float16) and "fp32".
-        ``bits=4/8/16/32`` is the older spelling.
-    block_size: values per block, a power of two from 32 to 4096; None (the
-        default): the wire's own, 256 (int4 64, int4-affine 128).
-    algorithm: "ring" (pipelined reduce-scatter + all-gather, a value is
-        quantized P times), "two_shot" (every shard sent to its owner,
-        reduced there at full precision and all-gathered: twice at most;
-        wires int8, bf16 and fp32), "hierarchical" (exact inside each node
-        through a shared window, quantized between nodes: error of the node
-        count; Allreduce across nodes of equal size, the halves use the
-        ring), "shm" (exact, through a shared window, when all ranks share
-        a node) or "mpi" (always MPI's own collective).
-    chunks: pieces per shard for pipelining; None: one piece when all ranks
-        share a node, else about 256 KiB of input per piece (at most 8).
-    min_quantized_bytes: messages smaller than this (bytes per rank; for the
-        two halves, the P*m-value buffer) use the exact MPI collective; None
-        takes the measured default: 4 MiB on one node, 256 KiB across nodes.
-    lossy_ops: the reductions that may travel quantized, from "sum", "max",
-        "min"; default ("sum",): MAX and MIN are exact unless named here,
-        and then MAX is never below (MIN never above) the true result.
-    lossy_allgather: whether a wrapped communicator's Allgather may travel
-        quantized (default False; QuantizedComm.Allgather, an explicit
-        request, always may).
-    check: agree on every call's arguments across ranks first (one tiny
-        Allreduce), so mismatched or bad calls raise the same error
-        everywhere instead of hanging.  Turn off only if the caller
-        guarantees consistent calls.
-    max_message_bytes: split messages above this size.
+    Options (keywords, each also settable as EQUARX_MPI_<NAME>): wire,
+    block_size, algorithm, accuracy, chunks, min_quantized_bytes, lossy_ops,
+    lossy_allgather, check, max_message_bytes, rounding, seed; what each
+    means and its default: options.py.
 
     After each call ``last_call`` (a CallInfo) says which path it took, what
     it sent and how long it ran; ``stats`` (a Stats) sums all calls.  With
@@ -119,7 +89,14 @@ class QuantizedComm:
             bound.warm()
         #: all ranks on one node (shared memory)
         self.one_node = self.layout.one_node
-        self.min_quantized_bytes = policy.min_quantized_bytes(o, self.one_node)
+        #: the profile algorithm="auto" and the crossovers decide with, and
+        #: where it came from: rank 0's, so that every rank decides alike
+        self.profile, self.profile_source = profiles.agreed(self._comm)
+        P = self._comm.Get_size()
+        # P // nodes, not this node's size: the same on every rank
+        model = costmodel.Model(self.profile, self.layout.nodes, P // self.layout.nodes,
+                                o["wire"], o["block_size"], o["chunks"])
+        self._choose = policy.Chooser(o, P, self.layout, model)
         self._engine = Engine(self._comm, o, self.one_node, compile_first)
         self._compile_first = compile_first
         self._shm = self._hier = self._between = None    # made on first use (collective)
@@ -265,13 +242,16 @@ class QuantizedComm:
             if nbytes == 0:
                 reason = "empty message"
             else:
-                method, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
-                                               P, self.layout)
-        if method == "shm":   # a window buffer or none, on every rank (shm.py's base);
-            # with feedback the input is the feedback's own array, never one
-            meta = meta + [("window buffer", int(feedback is None and self._shm is not None and
-                                                 self._shm.is_window_buffer(
-                                                     recv if send is None else send)))]
+                method, reason = self._choose(what, name, recv.dtype, nbytes,
+                                              feedback is not None)
+        # a window buffer or none, on every rank (shm.py's base); a field for
+        # every method, so that a rank whose checks failed (method "mpi")
+        # agrees with the same number of fields as the others; with feedback
+        # the input is the feedback's own array, never one
+        meta = meta + [("window buffer", int(method == "shm" and feedback is None and
+                                             self._shm is not None and
+                                             self._shm.is_window_buffer(
+                                                 recv if send is None else send)))]
         if feedback is not None and err is None:
             err = feedback_error(feedback, name, recv, method)
         # with feedback the values reduced are known only when the call runs
@@ -290,6 +270,12 @@ class QuantizedComm:
         if method in policy.EXACT and not (needs_most and later and self.check):
             c.bound = exact.error_bound(what, name, dtype, P, most) if nbytes else 0.0
         return c
+
+    def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
+        """The smallest message (bytes per rank) from which calls of this
+        kind are quantized, or None if none up to ``upto`` is (local: no
+        communication; every rank answers alike)."""
+        return self._choose.crossover(what, op_name(op), np.dtype(dtype), upto)
 
     def _execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""

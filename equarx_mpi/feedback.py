@@ -35,7 +35,8 @@ hierarchical calls raise ValueError.
 import ml_dtypes
 import numpy as np
 
-from .formats import acc_dtype, address
+from .formats import acc_dtype
+from .streams import address
 from .validate import BFLOAT16, QUANTIZED_DTYPES
 
 #: the numpy type of each 16-bit kernel element type

@@ -13,15 +13,17 @@ from mpi4py import MPI
 
 from equarx_mpi import ErrorFeedback, QuantizedComm
 
+#: a schedule by name at every size (the library's default, "auto", picks per call)
+RING = dict(algorithm="ring", min_quantized_bytes=0)
 METHODS = {
     "mpi": None,                                         # exact, what MPI codes use today
-    "bf16": dict(wire="bf16", min_quantized_bytes=0),    # uncompressed 16-bit ring
-    "int8": dict(wire="int8", min_quantized_bytes=0),    # EQuARX int8 ring, every size
+    "bf16": dict(RING, wire="bf16"),                     # uncompressed 16-bit ring
+    "int8": dict(RING, wire="int8"),                     # EQuARX int8 ring, every size
     "int8-2shot": dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0),
-    "fp8": dict(wire="fp8", min_quantized_bytes=0),      # e4m3 codes, ring
-    "int4": dict(wire="int4", min_quantized_bytes=0),    # half int8's bytes, ring
-    "int4+ef": dict(wire="int4", min_quantized_bytes=0, feedback=True),  # + error feedback
-    "fp8+ef": dict(wire="fp8", min_quantized_bytes=0, feedback=True),
+    "fp8": dict(RING, wire="fp8"),                       # e4m3 codes, ring
+    "int4": dict(RING, wire="int4"),                     # half int8's bytes, ring
+    "int4+ef": dict(RING, wire="int4", feedback=True),   # + error feedback
+    "fp8+ef": dict(RING, wire="fp8", feedback=True),
 }
 #: the methods without state between calls: the default where one buffer
 #: shape holds different quantities from call to call (activations of each
