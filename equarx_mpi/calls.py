@@ -67,15 +67,17 @@ class Counting(MPI.Intracomm):
 class Call:
     """One checked and agreed call, ready to run (``_prepare``).  ``bound``:
     an exact call's error bound, None when it must be found when the call
-    runs (quantized, or a persistent exact sum).  ``budget``: the
-    error-bounded mode's tolerance.Budget (also when exact), else None."""
+    runs (quantized, or a persistent exact sum); ``feedback``: an
+    ErrorFeedback or None; ``budget``: the error-bounded mode's
+    tolerance.Budget of a quantized call, else None."""
     __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes", "bound",
-                 "budget")
+                 "feedback", "budget")
 
-    def __init__(self, what, send, recv, op, name, method, reason, nbytes, bound=None):
+    def __init__(self, what, send, recv, op, name, method, reason, nbytes, bound=None,
+                 feedback=None):
         self.what, self.send, self.recv, self.op = what, send, recv, op
         self.name, self.method, self.reason, self.nbytes = name, method, reason, nbytes
-        self.bound = bound
+        self.bound, self.feedback = bound, feedback
         self.budget = None
 
     @property

@@ -152,8 +152,8 @@ def budget(opts, what, dtype, P, M):
 
 
 NOT_PERSISTENT = ("equarx_mpi: the error-bounded mode (abs_tol/rel_tol) sizes each call's "
-                  "budget from its inputs: no persistent requests (Allreduce_init); use "
-                  "Allreduce or Iallreduce")
+                  "budget from its inputs when the call is made: no persistent requests "
+                  "(Allreduce_init) and no error feedback; use Allreduce or Iallreduce")
 
 
 def settle(opts, c, P, M, comm):

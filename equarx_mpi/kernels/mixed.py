@@ -179,7 +179,7 @@ def _emit16(vals, off, m, a, heads, h, codes, at):
 def _emit4(vals, off, m, mx, heads, nh, codes):
     """int4's emit, not inlined: inlined here, its store of an odd block's
     last nibble was lost (numba 0.6x; see affine._put for the same)."""
-    int4.emit(vals, off, m, mx, heads, nh, codes, 0, ROUND_NEAREST)
+    int4.emit(vals, off, m, mx, heads, nh, codes, 0, ROUND_NEAREST, np.uint64(0))
 
 
 @njit(inline='always', **CACHE)
@@ -204,7 +204,7 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
     if tag == INT4:
         _emit4(vals, off, m, mx, heads, nh, i8[pay:])
     elif tag == INT8:
-        int8.emit(vals, off, m, mx, heads, nh, i8[pay:], 0, ROUND_NEAREST)
+        int8.emit(vals, off, m, mx, heads, nh, i8[pay:], 0, ROUND_NEAREST, np.uint64(0))
     elif tag == INT4A:
         affine.emit(vals, off, m, heads[nh:], 0, u8[pay:], 0, 15, tcodes, ROUND_NEAREST)
     elif tag == INT8A:
