@@ -244,6 +244,8 @@ def test_tolerance_budget_arithmetic():
     (dict(rel_tol=1e-3, algorithm="ring"), "two_shot"),
     (dict(rel_tol=1e-3, lossy_ops=("sum", "max")), "MAX and MIN stay exact"),
     (dict(wire="mixed"), "abs_tol= or rel_tol="),
+    (dict(rel_tol=1e-3, rounding="stochastic"), "leave rounding and accuracy unset"),
+    (dict(abs_tol=1e-3, accuracy=0.01), "leave rounding and accuracy unset"),
 ])
 def test_bad_tolerance_options(given, match):
     with pytest.raises(ValueError, match=match):

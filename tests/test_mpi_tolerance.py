@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from equarx_mpi import QuantizedComm
+from equarx_mpi import ErrorFeedback, QuantizedComm
 
 from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16
@@ -150,6 +150,9 @@ def test_persistent_and_bad_options_raise_everywhere():
     if P > 1:
         raises_everywhere(ValueError, lambda: qc.Allreduce_init(x, np.empty_like(x)),
                           match="persistent")
+        raises_everywhere(ValueError, lambda: qc.Allreduce(x, np.empty_like(x),
+                                                           feedback=ErrorFeedback()),
+                          match="error feedback")
     qc.free()
     raises_everywhere(ValueError, lambda: comm(rel_tol=1e-3, algorithm="ring"),
                       match="two_shot")
