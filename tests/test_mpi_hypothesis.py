@@ -23,7 +23,8 @@ depend on time) can make ranks disagree.
 
 EQUARX_MPI_HYPOTHESIS_CASES (default 150, shared by the algorithms) sets the number of cases;
 EQUARX_MPI_HYPOTHESIS_SEED draws another sequence (default: hypothesis'
-derandomized one, the same every run).  With -s rank 0 prints how many
+derandomized one, the same every run); EQUARX_MPI_HYPOTHESIS_VERBOSE=1
+prints each case on rank 0 before it runs (with -s: the case of a hang).  With -s rank 0 prints how many
 cases took each path and the largest error / bound seen.
 """
 import collections
@@ -48,6 +49,7 @@ WORLD = MPI.COMM_WORLD
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 CASES = int(os.environ.get("EQUARX_MPI_HYPOTHESIS_CASES", "150"))
 SEED = os.environ.get("EQUARX_MPI_HYPOTHESIS_SEED")
+VERBOSE = os.environ.get("EQUARX_MPI_HYPOTHESIS_VERBOSE", "0") not in ("", "0")
 MAX_N = 50_000
 #: (algorithm, wire) -> its share of the cases (each one a test, so that every
 #: path gets cases however few; hypothesis draws the rest).  Hierarchical
@@ -143,7 +145,7 @@ def values(kind, c, n, B, rng, shared):
         return np.copysign(x, rng.choice([-1.0, 1.0], n))
     if kind == "nonfinite":                 # a sprinkle of Inf and NaN on some ranks
         x = g * s
-        if rng.random() < 0.5:
+        if rng.random() < 0.5 and n:
             i = rng.integers(0, n, max(1, n // 500))
             x[i] = rng.choice([np.inf, -np.inf, np.nan], i.size)
         return x
@@ -231,7 +233,11 @@ def check(qc, c):
     n = c["n"]
     m = n // P
     size = {"Allreduce": n, "Reduce_scatter_block": P * m, "Allgather": m}[c["what"]]
-    x = make_input(c, size, B)
+    try:
+        x, made = make_input(c, size, B), None
+    except Exception as e:                  # noqa: BLE001 - a bug here, not a hang
+        x, made = None, repr(e)
+    everywhere(made is None, f"making the input: {made}")
     out, terms = run_call(qc, c, x, m)
     E, info = qc.last_error_bound, qc.last_call
     blocks = qc.block_bounds()
@@ -302,6 +308,8 @@ class Tally:
 def run_case(comms, tally, c):
     """Case c on every rank: the failed checks (an exception, raised on
     every rank as the library promises, counts as one)."""
+    if VERBOSE and RANK == 0:
+        print(f"case {c}", flush=True)
     try:
         failed, (method, wire, E, worst) = check(comms.get(c), c)
     except Exception as e:                  # noqa: BLE001 - reported as the case's failure
