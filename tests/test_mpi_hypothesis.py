@@ -88,6 +88,8 @@ def cases(draw, algorithm, wire):
         algorithm=algorithm, wire=wire, block=block, what=what, n=n,
         op="sum" if what == "Allgather" else draw(st.sampled_from(("sum", "sum", "max", "min"))),
         lossy=draw(st.booleans()), in_place=draw(st.booleans()),
+        # an Allreduce also nonblocking and persistent (the bound found when it runs)
+        form=draw(st.sampled_from(("blocking", "nonblocking", "persistent"))),
         chunks=draw(st.sampled_from((None, 1, 2, 3, 8))),
         # a message limit of a few blocks: messages split
         max_message_bytes=mm and mm * formats.max_block_bytes(wire, B),
@@ -220,7 +222,16 @@ def run_call(qc, c, x, m):
         parts = parts[:, RANK * m:(RANK + 1) * m]
     else:
         out = x.copy() if c["in_place"] else np.empty_like(x)
-        qc.Allreduce(MPI.IN_PLACE if c["in_place"] else x, out, OPS[op])
+        args = (MPI.IN_PLACE if c["in_place"] else x, out, OPS[op])
+        if c["form"] == "blocking":
+            qc.Allreduce(*args)
+        elif c["form"] == "nonblocking":
+            qc.Iallreduce(*args).Wait()
+        else:
+            req = qc.Allreduce_init(*args)
+            req.Start()
+            req.Wait()
+            req.Free()
     if op == "sum":
         return out, parts
     with np.errstate(invalid="ignore"):
@@ -294,6 +305,8 @@ class Tally:
         self.paths[("dtype", c["dtype"])] += 1
         self.paths[("values", min(10 ** len(str(c["n"])), 10 ** 5))] += 1
         self.paths[("op", c["op"])] += 1
+        if c["what"] == "Allreduce":
+            self.paths[("form", c["form"])] += 1
         if 0 < E < math.inf:
             self.ratio[path] = max(self.ratio.get(path, 0.0), worst / E)
 
