@@ -9,10 +9,11 @@ The MPI-facing names load on first use, so ``python -m equarx_mpi.cluster``
 (a launcher) does not initialize MPI itself.
 """
 __version__ = "0.2.0"
-__all__ = ["QuantizedComm", "CallInfo", "Stats", "allreduce", "wrap", "warmup",
+__all__ = ["QuantizedComm", "CallInfo", "Stats", "ErrorFeedback", "allreduce", "wrap", "warmup",
            "waitall", "testall", "startall", "abort_on_exception", "QUANTIZED_DTYPES",
            "__version__"]
-_WHERE = {"QuantizedComm": "comm", "CallInfo": "comm", "Stats": "comm", "allreduce": "helper",
+_WHERE = {"QuantizedComm": "comm", "CallInfo": "comm", "Stats": "comm",
+          "ErrorFeedback": "feedback", "allreduce": "helper",
           "wrap": "wrap", "warmup": "warmup", "waitall": "nonblocking",
           "testall": "nonblocking", "startall": "nonblocking",
           "abort_on_exception": "agree", "QUANTIZED_DTYPES": "validate"}

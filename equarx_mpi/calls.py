@@ -67,13 +67,16 @@ class Counting(MPI.Intracomm):
 class Call:
     """One checked and agreed call, ready to run (``_prepare``).  ``bound``:
     an exact call's error bound, None when it must be found when the call
-    runs (quantized, or a persistent exact sum)."""
-    __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes", "bound")
+    runs (quantized, or a persistent exact sum); ``feedback``: an
+    ErrorFeedback or None."""
+    __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes", "bound",
+                 "feedback")
 
-    def __init__(self, what, send, recv, op, name, method, reason, nbytes, bound=None):
+    def __init__(self, what, send, recv, op, name, method, reason, nbytes, bound=None,
+                 feedback=None):
         self.what, self.send, self.recv, self.op = what, send, recv, op
         self.name, self.method, self.reason, self.nbytes = name, method, reason, nbytes
-        self.bound = bound
+        self.bound, self.feedback = bound, feedback
 
     @property
     def quantize(self):

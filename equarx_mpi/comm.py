@@ -12,11 +12,12 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import bound, exact, formats, options, policy
+from . import bound, costmodel, exact, formats, options, policy, profiles
 from .agree import abort_on_exception, agree, raise_agreed
 from .buffers import OPAQUE
 from .calls import Call, CallInfo, Counting, Stats, uncompressed_bytes  # noqa: F401 (public here)
 from .engine import Engine
+from .feedback import check as feedback_error
 from .nonblocking import Executor, PersistentRequest
 from .shm import split_nodes
 from .validate import BFLOAT16, check_buffers, op_name
@@ -35,40 +36,10 @@ class QuantizedComm:
     MPI.FLOAT], [buf, (count, displ), MPI.FLOAT]; ``MPI.IN_PLACE`` or None
     as sendbuf (or the same buffer twice for Allreduce) works in place.
 
-    Options (keywords; each also settable as EQUARX_MPI_<NAME>, see options.py):
-
-    wire: "int8" (dynamic block-wise int8, the product); "int4" (half the
-        bytes, about 15x the error), "fp8" (e4m3 codes), "int8-affine" and
-        "int4-affine" (codes between each block's minimum and maximum, for
-        data with an offset; docs/FORMAT.md); or the uncompressed baselines
-        "bf16" (bfloat16; float16 input travels as float16) and "fp32".
-        ``bits=4/8/16/32`` is the older spelling.
-    block_size: values per block, a power of two from 32 to 4096; None (the
-        default): the wire's own, 256 (int4 64, int4-affine 128).
-    algorithm: "ring" (pipelined reduce-scatter + all-gather, a value is
-        quantized P times), "two_shot" (every shard sent to its owner,
-        reduced there at full precision and all-gathered: twice at most;
-        wires int8, bf16 and fp32), "hierarchical" (exact inside each node
-        through a shared window, quantized between nodes: error of the node
-        count; Allreduce across nodes of equal size, the halves use the
-        ring), "shm" (exact, through a shared window, when all ranks share
-        a node) or "mpi" (always MPI's own collective).
-    chunks: pieces per shard for pipelining; None: one piece when all ranks
-        share a node, else about 256 KiB of input per piece (at most 8).
-    min_quantized_bytes: messages smaller than this (bytes per rank; for the
-        two halves, the P*m-value buffer) use the exact MPI collective; None
-        takes the measured default: 4 MiB on one node, 256 KiB across nodes.
-    lossy_ops: the reductions that may travel quantized, from "sum", "max",
-        "min"; default ("sum",): MAX and MIN are exact unless named here,
-        and then MAX is never below (MIN never above) the true result.
-    lossy_allgather: whether a wrapped communicator's Allgather may travel
-        quantized (default False; QuantizedComm.Allgather, an explicit
-        request, always may).
-    check: agree on every call's arguments across ranks first (one tiny
-        Allreduce), so mismatched or bad calls raise the same error
-        everywhere instead of hanging.  Turn off only if the caller
-        guarantees consistent calls.
-    max_message_bytes: split messages above this size.
+    Options (keywords, each also settable as EQUARX_MPI_<NAME>): wire,
+    block_size, algorithm, accuracy, chunks, min_quantized_bytes, lossy_ops,
+    lossy_allgather, check, max_message_bytes, rounding, seed; what each
+    means and its default: options.py.
 
     After each call ``last_call`` (a CallInfo) says which path it took, what
     it sent and how long it ran; ``stats`` (a Stats) sums all calls.  With
@@ -118,7 +89,14 @@ class QuantizedComm:
             bound.warm()
         #: all ranks on one node (shared memory)
         self.one_node = self.layout.one_node
-        self.min_quantized_bytes = policy.min_quantized_bytes(o, self.one_node)
+        #: the profile algorithm="auto" and the crossovers decide with, and
+        #: where it came from: rank 0's, so that every rank decides alike
+        self.profile, self.profile_source = profiles.agreed(self._comm)
+        P = self._comm.Get_size()
+        # P // nodes, not this node's size: the same on every rank
+        model = costmodel.Model(self.profile, self.layout.nodes, P // self.layout.nodes,
+                                o["wire"], o["block_size"], o["chunks"])
+        self._choose = policy.Chooser(o, P, self.layout, model)
         self._engine = Engine(self._comm, o, self.one_node, compile_first)
         self._compile_first = compile_first
         self._shm = self._hier = self._between = None    # made on first use (collective)
@@ -184,10 +162,14 @@ class QuantizedComm:
         self.free()
 
     # --- public collectives ---------------------------------------------------
-    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM, feedback=None):
         """recvbuf = op over ranks of sendbuf.  ``MPI.IN_PLACE`` as sendbuf (or
-        the same array twice) reduces recvbuf in place.  Returns None."""
-        self._exec.run(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op))
+        the same array twice) reduces recvbuf in place.  Returns None.
+        ``feedback``: an ErrorFeedback (op SUM; ring or two_shot), whose
+        residual joins this rank's input and takes up what this call's
+        quantizations lose (feedback.py)."""
+        self._exec.run(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op,
+                                                    feedback=feedback))
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Nonblocking Allreduce: returns a request (an MPI.Grequest: Wait,
@@ -204,12 +186,12 @@ class QuantizedComm:
                                  self._prepare("Allreduce", sendbuf, recvbuf, op,
                                                persistent=True))
 
-    def allreduce(self, x, op=MPI.SUM):
+    def allreduce(self, x, op=MPI.SUM, feedback=None):
         """A new array with x's shape and dtype holding op over ranks of x."""
         x = np.asarray(x)
         x = np.ascontiguousarray(x).reshape(x.shape)    # keeps 0-d as 0-d
         out = np.empty_like(x)
-        self.Allreduce(x, out, op)
+        self.Allreduce(x, out, op, feedback)
         return out
 
     def empty(self, shape, dtype=np.float32):
@@ -240,7 +222,8 @@ class QuantizedComm:
         self._exec.run(self._execute, self._prepare("Allgather", sendbuf, recvbuf, None))
 
     # --- internals --------------------------------------------------------------
-    def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False, persistent=False):
+    def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False, persistent=False,
+                 feedback=None):
         """Checks agreed across ranks, and the choice of path: a Call.
         With opaque_ok (a wrapped communicator) a buffer only MPI can read
         gives a Call with recv OPAQUE, for MPI to run unchanged.  An exact
@@ -259,38 +242,70 @@ class QuantizedComm:
             if nbytes == 0:
                 reason = "empty message"
             else:
-                method, reason = policy.choose(self.options, what, name, recv.dtype, nbytes,
-                                               P, self.layout)
-        if method == "shm":   # a window buffer or none, on every rank (shm.py's base)
-            meta = meta + [("window buffer", int(self._shm is not None and
-                                                 self._shm.is_window_buffer(
-                                                     recv if send is None else send)))]
+                method, reason = self._choose(what, name, recv.dtype, nbytes,
+                                              feedback is not None)
+        # a window buffer or none, on every rank (shm.py's base); a field for
+        # every method, so that a rank whose checks failed (method "mpi")
+        # agrees with the same number of fields as the others; with feedback
+        # the input is the feedback's own array, never one
+        meta = meta + [("window buffer", int(method == "shm" and feedback is None and
+                                             self._shm is not None and
+                                             self._shm.is_window_buffer(
+                                                 recv if send is None else send)))]
+        if feedback is not None and err is None:
+            err = feedback_error(feedback, name, recv, method)
+        # with feedback the values reduced are known only when the call runs
+        later = persistent or feedback is not None
         dtype = None if err is not None or recv is OPAQUE else recv.dtype
         needs_most = method in policy.EXACT and exact.sums_floats(what, name, dtype, P)
         most = None
-        if needs_most and self.check and not persistent and nbytes:
+        if needs_most and self.check and not later and nbytes:
             most = exact.largest(recv if send is None else send)
+        meta = meta + [("feedback", int(feedback is not None))]
         if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
             most = agree(self._ctl, what, meta + [("method", method)], err, most)
         elif err is not None:
             raise err
-        c = Call(what, send, recv, op, name, method, reason, nbytes)
-        if method in policy.EXACT and not (needs_most and persistent and self.check):
+        c = Call(what, send, recv, op, name, method, reason, nbytes, feedback=feedback)
+        if method in policy.EXACT and not (needs_most and later and self.check):
             c.bound = exact.error_bound(what, name, dtype, P, most) if nbytes else 0.0
         return c
 
+    def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
+        """The smallest message (bytes per rank) from which calls of this
+        kind are quantized, or None if none up to ``upto`` is (local: no
+        communication; every rank answers alike)."""
+        return self._choose.crossover(what, op_name(op), np.dtype(dtype), upto)
+
     def _execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
+        fb = c.feedback
+        if fb is None:
+            return self._run(c)
+        # the residual joins the input (not in place any more: the caller's
+        # values stay as they are until the result lands in recv); the bound
+        # still holds against the caller's values: each rank's input moved
+        # by at most e_own
+        own = c.recv if c.send is None else c.send
+        adj = fb.begin(own)
+        info = self._run(Call(c.what, adj, c.recv, c.op, c.name, c.method, c.reason,
+                              c.nbytes, feedback=fb), fb.moved(own))
+        fb.end()
+        return info
+
+    def _run(self, c, e_own=0.0):
+        """_execute without the feedback's part; ``e_own`` bounds how far
+        this rank's values are from the caller's."""
         t0, sent0, P = time.perf_counter(), self._comm.sent, self._size
         self._comm.polite = self._exec.in_thread()
         if c.quantize:
-            fixed, err, rec = self._quantized(c)
+            fixed, err, rec = self._quantized(c, e_own)
             return self._record(c, CallInfo(c.what, c.method, self.wire, c.reason, fixed,
                                             self._comm.sent - sent0, time.perf_counter() - t0,
                                             err), rec)
         err = c.bound
-        if err is None:       # a persistent exact sum: the values are there now
-            err = exact.bound_now(self._comm, c.what, c.name, c.send, c.recv)
+        if err is None:       # values known only now (persistent, feedback)
+            err = exact.bound_now(self._comm, c.what, c.name, c.send, c.recv, e_own)
         if c.method == "shm":
             self._window().allreduce(c.send, c.recv, c.op)
         elif P == 1:
@@ -346,7 +361,7 @@ class QuantizedComm:
                              f"{info.bytes_sent} B sent\n")
         return info
 
-    def _quantized(self, c):
+    def _quantized(self, c, e_own):
         """Run a quantized call; returns (the values reduced exactly after
         it, the error bound, a bound.Record for block_bounds)."""
         e = self._engine
@@ -355,7 +370,8 @@ class QuantizedComm:
         if c.what == "Reduce_scatter_block":
             return e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op) + (e.record,)
         if c.method != "hierarchical":
-            return e.allreduce(c.method, c.send, c.recv, c.name, c.op) + (e.record,)
+            return e.allreduce(c.method, c.send, c.recv, c.name, c.op, e_own,
+                               c.feedback) + (e.record,)
         hier, between = self._hierarchy()
         fixed = [0]
 

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from . import bound, exact, formats, policy, ring, two_shot
+from . import kernels as K
 from .validate import BFLOAT16
 
 #: the quantized schedules, by algorithm name
@@ -71,15 +72,17 @@ class Engine:
         self._plans.clear()
         self._ws = None
 
-    def allreduce(self, algorithm, send, recv, name, op, e_own=0.0):
+    def allreduce(self, algorithm, send, recv, name, op, e_own=0.0, feedback=None):
         """recv = op over ranks of send (None: recv's values); flat arrays.
-        ``e_own`` bounds the error this rank's input already carries."""
+        ``e_own`` bounds the error this rank's input already carries;
+        ``feedback`` (an ErrorFeedback) notes what each quantization lost."""
         own = recv if send is None else send
         n, B, P = recv.size, self.opts["block_size"], self.P
         nb = -(-n // B)
         edges = [min(s * nb // P * B, n) for s in range(P + 1)]
         shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
-        ranges, tally = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0, e_own)
+        ranges, tally = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0, e_own,
+                                  feedback)
         fixed, fix = exact.fix_allreduce(self.comm, ranges, own, recv, op, e_own)
         return fixed, self._bound(tally, fix, n, 0)
 
@@ -144,7 +147,7 @@ class Engine:
         return self._ws
 
     def _run(self, algorithm, kind, shards, own, out, name, own_offset, out_offset,
-             e_own=0.0):
+             e_own=0.0, feedback=None):
         """Run a schedule; own and out are the caller's arrays.  Returns the
         flagged ranges and the bound.Tally (None without keep_bounds)."""
         own = kernel_view(own, writable=False)
@@ -163,9 +166,13 @@ class Engine:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
-        rmode = policy.ROUNDING[name]
+        rmode = policy.rounding(self.opts, name)
+        if rmode == K.ROUND_STOCHASTIC:
+            fmt.begin_call(self.opts["seed"], self.rank, own, own_offset)
         tally = bound.Tally(fmt, own.dtype, name == "sum", rmode, e_own) \
             if self.keep_bounds else None
+        if feedback is not None:
+            fmt = feedback.format(fmt, own, out)
         ranges = schedule.run(self.comm, plan, fmt, own, out, policy.KERNEL_OP[name], rmode,
                               own_offset, out_offset, tally)
         return ranges, tally

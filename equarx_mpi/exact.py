@@ -186,9 +186,15 @@ def largest(a):
     return float(v[np.isfinite(v)].max(initial=0))
 
 
-def bound_now(comm, what, opname, send, recv):
+def bound_now(comm, what, opname, send, recv, e_own=0.0):
     """error_bound of a call whose inputs are only known now (a persistent
-    request): one 8-byte MAX Allreduce finds the largest magnitude."""
-    most = np.array([bound.to_bits(largest(recv if send is None else send))], np.int64)
+    request, error feedback): one MAX Allreduce finds the largest
+    magnitude and the largest ``e_own`` (how far a rank's values are from
+    its caller's); each rank's moves add up."""
+    most = np.array([bound.to_bits(largest(recv if send is None else send)),
+                     bound.to_bits(e_own)], np.int64)
     comm.Allreduce(MPI.IN_PLACE, most, MPI.MAX)
-    return error_bound(what, opname, recv.dtype, comm.Get_size(), bound.from_bits(most[0]))
+    P = comm.Get_size()
+    err = error_bound(what, opname, recv.dtype, P, bound.from_bits(most[0]))
+    moved = bound.from_bits(most[1])
+    return err if not moved else (err + P * moved) * bound.SLACK

@@ -31,6 +31,8 @@ wires: from one pass over its values):
         ``limit``: out's overflow threshold, for block formats); floats
     block_errors(w, rmode) -> (q, m)         the same per block (arrays;
         m is Inf for a flagged block); None: no bound (Inf)
+
+Stochastic rounding: streams.py says how each piece's random numbers are keyed.
 """
 import math
 
@@ -38,6 +40,7 @@ import numpy as np
 
 from . import bound
 from . import kernels as K
+from .streams import Streams
 
 WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine")
 #: the legacy ``bits=`` option
@@ -46,6 +49,8 @@ BITS_TO_WIRE = {4: "int4", 8: "int8", 16: "bf16", 32: "fp32"}
 DIRECTED_WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine")
 #: wires with many-input reductions (decode_reduce_many...): algorithm="two_shot"
 MANY_INPUT_WIRES = ("int8", "bf16", "fp32")
+#: wires that can round stochastically (rounding="stochastic")
+STOCHASTIC_WIRES = ("int8", "int4")
 #: block_size when none is given: 256, except for the int4 wires, where a
 #: smaller block buys less error for few bytes (headers 1/8 of the codes:
 #: 0.5625 bytes per value); measured in docs/FORMAT.md "int4 blocks"
@@ -74,7 +79,7 @@ def _largest_below(h, limit):
     return a
 
 
-class _Format:
+class _Format(Streams):
     #: codes two per byte: blocks must then start on a byte
     nibbles = False
     #: whether decoding into a 16-bit output rounds (not for plain 16-bit wires)
@@ -96,6 +101,7 @@ class _Format:
         self.block = block
         self.scratch = np.empty(block, acc_dtype(kdtype))
         self._skipped = np.empty(0, np.int64)
+        Streams.__init__(self)
 
     def _skip(self, n):
         """A buffer for the indices of skipped blocks of an n-value piece."""
@@ -142,7 +148,7 @@ class Int8Block(_Symmetric):
         return buf[:h].view(self.head), buf[h:h + n].view(np.int8)
 
     def encode(self, src, w, rmode):
-        K.i8_encode(src, w[0], w[1], self.block, self.scratch, rmode)
+        K.i8_encode(src, w[0], w[1], self.block, self.scratch, rmode, self._stream(src, rmode))
 
     def decode(self, w, out):
         skipped = self._skip(out.size)
@@ -155,7 +161,7 @@ class Int8Block(_Symmetric):
 
     def decode_reduce_encode(self, own, wi, wo, op, rmode):
         K.i8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
-                                  self.scratch, rmode)
+                                  self.scratch, rmode, self._stream(own, rmode))
 
     def stack_views(self, buf, n, count, stride=None):
         # (headers, one row each; whole messages as int8 rows; where codes
@@ -172,7 +178,7 @@ class Int8Block(_Symmetric):
 
     def decode_reduce_encode_many(self, own, pos, ws, wo, op, rmode):
         K.i8_decode_reduce_encode_many(own, pos, ws[0], ws[1], ws[2], wo[0], wo[1], self.block,
-                                       op, self.scratch, rmode)
+                                       op, self.scratch, rmode, self._stream(own, rmode))
 
 
 
@@ -194,7 +200,7 @@ class Int4Block(_Symmetric):
         return buf[:h].view(self.head), buf[h:h + (n + 1) // 2].view(np.int8)
 
     def encode(self, src, w, rmode):
-        K.i4_encode(src, w[0], w[1], self.block, self.scratch, rmode)
+        K.i4_encode(src, w[0], w[1], self.block, self.scratch, rmode, self._stream(src, rmode))
 
     def decode(self, w, out):
         skipped = self._skip(out.size)
@@ -207,7 +213,7 @@ class Int4Block(_Symmetric):
 
     def decode_reduce_encode(self, own, wi, wo, op, rmode):
         K.i4_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
-                                  self.scratch, rmode)
+                                  self.scratch, rmode, self._stream(own, rmode))
 
 
 class Fp8Block(_Symmetric):

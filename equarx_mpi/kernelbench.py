@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from . import kernels as K
+from .profiles import cpu_model
 
 NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "native")
@@ -189,17 +190,6 @@ def bench(n, block, repeat, native, clock=time.thread_time):
     return res
 
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 def _numba_target():
     import llvmlite.binding as ll
     from numba.core import config
@@ -237,7 +227,7 @@ def main(argv=None):
         c_cmd = f.read().strip()
     print("# int8 block kernels, float32 input, SUM, one core; "
           f"block {args.block}, median of {args.repeat}, {args.clock} time")
-    print(f"# {_cpu_model()}; isa {args.isa}: numba for {_numba_target()}, C: {c_cmd}")
+    print(f"# {cpu_model()}; isa {args.isa}: numba for {_numba_target()}, C: {c_cmd}")
     print(f"# load average {os.getloadavg()[0]:.2f} at the start")
     print("# rates in GB/s of float32 input; copy = numpy copyto (numba column) "
           "and C memcpy (C column); numba/C = median of per-turn ratios")

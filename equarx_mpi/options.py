@@ -8,6 +8,57 @@ not parse is ignored with a warning (as mpi4py does with MPI4PY_RC_*); an
 unknown option passed in code is a TypeError.  ``EQUARX_MPI_DISABLE=1``
 makes every call take the exact MPI collective, whatever the code asks;
 ``EQUARX_MPI_LOG=1`` logs every call's decision on rank 0 (stderr).
+``EQUARX_MPI_PROFILE=path`` names the profile algorithm="auto" decides
+with (costmodel.py).
+
+The options:
+
+wire: "int8" (dynamic block-wise int8, the product); "int4" (half the
+    bytes, about 15x the error), "fp8" (e4m3 codes), "int8-affine" and
+    "int4-affine" (codes between each block's minimum and maximum, for
+    data with an offset; docs/FORMAT.md); or the uncompressed baselines
+    "bf16" (bfloat16; float16 input travels as float16) and "fp32".
+    ``bits=4/8/16/32`` is the older spelling.
+block_size: values per block, a power of two from 32 to 4096; None (the
+    default): the wire's own, 256 (int4 64, int4-affine 128).
+algorithm: "auto" (the default: per call, the method the cost model
+    predicts fastest among those ``accuracy`` and the call allow; a
+    profile measured by ``python -m equarx_mpi.tune``, or the built-in
+    one: docs/TUNING.md), "ring" (pipelined reduce-scatter + all-gather,
+    a value is quantized P times), "two_shot" (every shard sent to its
+    owner, reduced there at full precision and all-gathered: twice at
+    most; wires int8, bf16 and fp32), "hierarchical" (exact inside each
+    node through a shared window, quantized between nodes: error of the
+    node count; Allreduce across nodes of equal size, the halves use the
+    ring), "shm" (exact, through a shared window, when all ranks share
+    a node) or "mpi" (always MPI's own collective).
+accuracy: the error the caller accepts: None (the default: what the
+    wire gives), "exact" (only exact methods), or the largest relative
+    L2 error on standard-normal data (0.01 = 1%) by costmodel.error; a
+    quantized method predicted above it is never taken, by any
+    algorithm: the call is exact instead.
+chunks: pieces per shard for pipelining; None: one piece when all ranks
+    share a node, else about 256 KiB of input per piece (at most 8).
+min_quantized_bytes: messages smaller than this (bytes per rank; for the
+    two halves, the P*m-value buffer) use an exact method; None takes
+    the measured default: 4 MiB on one node, 256 KiB across nodes, and
+    under "auto" the cost model's crossover (``crossover()``).
+lossy_ops: the reductions that may travel quantized, from "sum", "max",
+    "min"; default ("sum",): MAX and MIN are exact unless named here,
+    and then MAX is never below (MIN never above) the true result.
+lossy_allgather: whether a wrapped communicator's Allgather may travel
+    quantized (default False; QuantizedComm.Allgather, an explicit
+    request, always may).
+check: agree on every call's arguments across ranks first (one tiny
+    Allreduce), so mismatched or bad calls raise the same error
+    everywhere instead of hanging.  Turn off only if the caller
+    guarantees consistent calls.
+max_message_bytes: split messages above this size.
+rounding: how SUM's codes round: "nearest" (the default) or "stochastic"
+    (unbiased: up with the probability of the remainder, wires int8 and
+    int4; reproducible from ``seed``, the call count and the rank:
+    docs/FORMAT.md "Stochastic rounding").
+seed: the stochastic rounding's seed (an integer; default 0).
 """
 import os
 import warnings
@@ -16,21 +67,25 @@ import numpy as np
 
 from . import formats
 
-ALGORITHMS = ("ring", "two_shot", "hierarchical", "shm", "mpi")
+ALGORITHMS = ("auto", "ring", "two_shot", "hierarchical", "shm", "mpi")
 LOSSY_OPS = ("sum", "max", "min")
+ROUNDINGS = ("nearest", "stochastic")
 #: No single message exceeds this (MPI counts are 32-bit in many places).
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 DEFAULTS = dict(
     wire="int8",
     block_size=None,        # the wire's own, formats.default_block: 256, int4 64, int4-affine 128
-    algorithm="ring",
+    algorithm="auto",
     chunks=None,
+    accuracy=None,          # None: any error the wire gives; "exact"; or a relative L2 error
     min_quantized_bytes=None,
     lossy_ops=("sum",),
     lossy_allgather=False,
     check=True,
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+    rounding="nearest",     # of SUM's codes; "stochastic": unbiased, keyed by seed
+    seed=0,
 )
 ENV_PREFIX = "EQUARX_MPI_"
 
@@ -47,8 +102,10 @@ def logging():
 
 def _parse_env(name, text):
     t = text.strip()
-    if name in ("wire", "algorithm"):
+    if name in ("wire", "algorithm", "rounding"):
         return t
+    if name == "accuracy":
+        return None if t.lower() == "none" else t if t == "exact" else float(t)
     if name == "lossy_ops":
         return tuple(s.strip().lower() for s in t.split(",") if s.strip())
     if name in ("check", "lossy_allgather"):
@@ -103,6 +160,7 @@ def resolve(given):
     opts["lossy_ops"] = tuple(sorted(set(o.lower() if isinstance(o, str) else o
                                          for o in opts["lossy_ops"])))
     check(opts)
+    opts["seed"] = int(opts["seed"])
     return opts
 
 
@@ -125,6 +183,11 @@ def check(o):
     if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES:
         raise ValueError(f"algorithm='two_shot' takes the wires {formats.MANY_INPUT_WIRES}, "
                          f"not {o['wire']!r}")
+    a = o["accuracy"]
+    if not (a is None or a == "exact" or (isinstance(a, (int, float, np.floating))
+                                          and not isinstance(a, bool) and 0 < a < 1)):
+        raise ValueError(f"accuracy must be None, 'exact' or a relative error between 0 and 1 "
+                         f"(0.02 = 2%), not {a!r}")
     c = o["chunks"]
     if c is not None and (not _is_int(c) or c < 1):
         raise ValueError(f"chunks must be None or an integer >= 1, not {c!r}")
@@ -137,6 +200,13 @@ def check(o):
     for name in ("check", "lossy_allgather"):
         if not isinstance(o[name], (bool, np.bool_)):
             raise ValueError(f"{name} must be True or False, not {o[name]!r}")
+    if o["rounding"] not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, not {o['rounding']!r}")
+    if o["rounding"] == "stochastic" and o["wire"] not in formats.STOCHASTIC_WIRES:
+        raise ValueError(f"rounding='stochastic' takes the wires {formats.STOCHASTIC_WIRES}, "
+                         f"not {o['wire']!r}")
+    if not _is_int(o["seed"]) or not 0 <= o["seed"] < 2 ** 64:
+        raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, not {o['seed']!r}")
     mm = o["max_message_bytes"]
     one_block = formats.max_block_bytes(o["wire"], b)
     if not _is_int(mm) or not one_block <= mm < 2 ** 31:

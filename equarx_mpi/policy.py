@@ -5,7 +5,15 @@ Lossy only where the caller asked for it: SUM is quantized by default;
 MAX and MIN only when ``lossy_ops`` names them (then rounded so MAX is
 never below and MIN never above the true result); every other op and
 every non-float dtype is exact.  Small messages take exact MPI too, below
-the measured crossover where quantizing stops paying."""
+``min_quantized_bytes`` (default DEFAULT_MIN_QUANTIZED_BYTES).
+
+algorithm="auto" picks, per call, the fastest predicted method among those
+allowed: the exact ones (MPI; the shared window on one node) and the
+quantized ones (ring; two-shot; hierarchical on several nodes of equal
+size) whose error on standard-normal data (costmodel.error) is within
+``accuracy``.  A quantized method must beat the best exact one by
+LOSSY_MARGIN, and among quantized ones the most accurate within LOSSY_MARGIN
+of the fastest wins: accuracy wins near-ties."""
 from typing import NamedTuple
 
 import numpy as np
@@ -15,11 +23,15 @@ from . import kernels as K
 from .options import disabled
 from .validate import QUANTIZED_DTYPES
 
-#: Below this many bytes per rank the exact MPI collective is used, by
-#: default: one value when all ranks share a node (shared memory: MPI's copy
-#: is cheap, the kernels' passes over memory are not), one across nodes.
-#: Measured with ``python -m equarx_mpi.bench``; see README "Defaults".
+#: Below this many bytes per rank the exact MPI collective is used by the
+#: named algorithms (not auto, which asks the cost model): one value when
+#: all ranks share a node (shared memory: MPI's copy is cheap, the kernels'
+#: passes over memory are not), one across nodes.  Measured with
+#: ``python -m equarx_mpi.bench``; see README "Defaults".
 DEFAULT_MIN_QUANTIZED_BYTES = {"one_node": 4 << 20, "network": 256 << 10}
+#: auto takes a quantized method only where the model predicts it this much
+#: faster than the best exact one: exactness wins near-ties.
+LOSSY_MARGIN = 1.05
 #: Automatic pipelining across nodes: about this many input bytes per piece,
 #: at most MAX_AUTO_CHUNKS pieces per shard.  On one node a shard goes as one
 #: piece: the "transfer" is a memory copy by the same cores, nothing to hide
@@ -31,9 +43,12 @@ KERNEL_OP = {"sum": K.OP_SUM, "max": K.OP_MAX, "min": K.OP_MIN}
 ROUNDING = {"sum": K.ROUND_NEAREST, "max": K.ROUND_UP, "min": K.ROUND_DOWN}
 
 
-def min_quantized_bytes(opts, one_node):
-    q = opts["min_quantized_bytes"]
-    return DEFAULT_MIN_QUANTIZED_BYTES["one_node" if one_node else "network"] if q is None else q
+def rounding(opts, opname):
+    """How op ``opname``'s codes round: MAX up and MIN down always; SUM to
+    nearest, or stochastically with ``rounding="stochastic"``."""
+    if opname == "sum" and opts["rounding"] == "stochastic":
+        return K.ROUND_STOCHASTIC
+    return ROUNDING[opname]
 
 
 class Layout(NamedTuple):
@@ -51,11 +66,13 @@ class Layout(NamedTuple):
 EXACT = ("copy", "mpi", "shm")
 
 
-def choose(opts, what, opname, dtype, nbytes, P, layout):
+def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False):
     """(method, reason): how this call runs, and why, in words for
     ``last_call``.  Methods: "copy" (one rank), "mpi" (MPI's own
     collective), "shm" (exact, through a shared window on one node), or a
-    quantized schedule: "ring", "two_shot", "hierarchical"."""
+    quantized schedule: "ring", "two_shot", "hierarchical".  ``model``: the
+    communicator's costmodel.Model; ``feedback``: the call carries an
+    ErrorFeedback (auto leaves out the hierarchical schedule, which cannot)."""
     if P == 1:
         return "copy", "one rank: a copy"
     if disabled():
@@ -67,28 +84,122 @@ def choose(opts, what, opname, dtype, nbytes, P, layout):
         return "mpi", f"dtype {np.dtype(dtype).name} is always exact"
     if what != "Allgather" and opname not in KERNEL_OP:
         return "mpi", f"op {opname} is always exact"
-    # exact from here on: through the window where asked for and possible
-    window = (alg == "shm" and layout.one_node and what == "Allreduce")
-    exact = "shm" if window else "mpi"
+    window = layout.one_node and what == "Allreduce"
     if alg == "shm":
-        return exact, ("algorithm='shm': exact, through a shared window" if window else
-                       "algorithm='shm' reduces only Allreduce on one node: MPI")
+        return ("shm", "algorithm='shm': exact, through a shared window") if window else (
+            "mpi", "algorithm='shm' reduces only Allreduce on one node: MPI")
+    # exact from here on: through the window where auto may pick it and it pays
+    exact = ["mpi", "shm"] if alg == "auto" and window else ["mpi"]
+    times = {}
+
+    def t(m):
+        if m not in times:
+            times[m] = model.time(m, nbytes, np.dtype(dtype).itemsize, _dtype_name(dtype))
+        return times[m]
+
+    best_exact = min(exact, key=t) if len(exact) > 1 else "mpi"   # no model unless auto
     if what != "Allgather":
         if opname not in opts["lossy_ops"]:
-            return exact, (f"op {opname.upper()} is exact unless lossy_ops "
-                           f"includes {opname!r}")
+            return best_exact, (f"op {opname.upper()} is exact unless lossy_ops "
+                                f"includes {opname!r}")
         if opname != "sum" and opts["wire"] not in formats.DIRECTED_WIRES:
-            return exact, (f"{opname.upper()} travels quantized only on wires that round "
-                           f"up and down: {', '.join(formats.DIRECTED_WIRES)}")
-    least = min_quantized_bytes(opts, layout.one_node)
-    if nbytes < least:
-        return exact, f"{nbytes} bytes is below min_quantized_bytes={least}"
-    if alg == "hierarchical":
-        if what == "Allreduce" and layout.uniform and not layout.one_node:
-            return "hierarchical", "quantized between nodes, exact inside them"
-        return "ring", ("hierarchical covers Allreduce across nodes of equal size; "
-                        "this call: the ring")
-    return alg, "quantized"
+            return best_exact, (f"{opname.upper()} travels quantized only on wires that "
+                                f"round up and down: {', '.join(formats.DIRECTED_WIRES)}")
+    lossy, why = _lossy_candidates(opts, what, layout, model, feedback)
+    if not lossy:
+        return best_exact, why
+    least = opts["min_quantized_bytes"]
+    if alg != "auto":       # the measured crossover, no model
+        least = DEFAULT_MIN_QUANTIZED_BYTES["one_node" if layout.one_node else
+                                            "network"] if least is None else least
+    if least is not None and nbytes < least:
+        return best_exact, f"{nbytes} bytes is below min_quantized_bytes={least}"
+    if alg != "auto":
+        return lossy[0], why
+    best = near_fastest(lossy, t, model.error)
+    if t(best) * LOSSY_MARGIN > t(best_exact):
+        return best_exact, (f"auto: exact is predicted faster: {_predicted(times, best_exact)}, "
+                            f"{_predicted(times, best)}")
+    return best, (f"auto: {_predicted(times, best)}, error {model.error(best):.2%}; "
+                  f"{_predicted(times, best_exact)}")
+
+
+def near_fastest(methods, t, error):
+    """The most accurate of ``methods`` predicted within LOSSY_MARGIN of the
+    fastest (at 1024 ranks the int8 ring's error is 16x two-shot's, for a
+    few percent of time)."""
+    fastest = min(methods, key=t)
+    return min((m for m in methods if t(m) <= t(fastest) * LOSSY_MARGIN),
+               key=lambda m: (error(m), t(m)))
+
+
+def _dtype_name(dtype):
+    d = np.dtype(dtype)
+    return "bfloat16" if d.itemsize == 2 and d != np.float16 else d.name
+
+
+def _predicted(times, m):
+    return f"{m} predicted {times[m] * 1e3:.3g} ms"
+
+
+def _lossy_candidates(opts, what, layout, model, feedback):
+    """(quantized methods this call may take, and why, in words): the
+    algorithm asked for, or under auto every one that fits the call, the
+    wire and ``accuracy``."""
+    alg, wire, acc = opts["algorithm"], opts["wire"], opts["accuracy"]
+    if acc == "exact":
+        return [], "accuracy='exact'"
+    if alg == "auto":
+        cands = ["ring"]
+        if wire in formats.MANY_INPUT_WIRES and what != "Allgather":
+            cands.append("two_shot")
+        if what == "Allreduce" and layout.uniform and not layout.one_node and not feedback:
+            cands.append("hierarchical")
+        why = "auto"
+    elif alg == "hierarchical" and not (what == "Allreduce" and layout.uniform
+                                        and not layout.one_node):
+        cands, why = ["ring"], ("hierarchical covers Allreduce across nodes of equal size; "
+                                "this call: the ring")
+    else:
+        cands, why = [alg], "quantized"
+    if acc is None:
+        return cands, why
+    fits = [m for m in cands if model.error(m) <= acc]
+    if not fits:
+        errs = ", ".join(f"{m} {model.error(m):.2%}" for m in cands)
+        return [], f"accuracy={acc:g}: no quantized method is that accurate ({errs})"
+    return fits, why
+
+
+class Chooser:
+    """choose() for one communicator, remembered per call shape: the model
+    takes tens of microseconds, and a shape's answer never changes."""
+
+    def __init__(self, opts, P, layout, model):
+        self.opts, self.P, self.layout, self.model = opts, P, layout, model
+        self._seen = {}
+
+    def __call__(self, what, opname, dtype, nbytes, feedback=False):
+        key = (what, opname, dtype, nbytes, disabled(), feedback)
+        got = self._seen.get(key)
+        if got is None:
+            if len(self._seen) >= 1024:
+                self._seen.clear()
+            got = self._seen[key] = choose(self.opts, what, opname, dtype, nbytes, self.P,
+                                           self.layout, self.model, feedback)
+        return got
+
+    def crossover(self, what, opname, dtype, upto):
+        """The smallest size (quarter-octave steps from 1 KiB) that is
+        quantized, or None up to ``upto``."""
+        n = 1024
+        while n <= upto:
+            for step in (4, 5, 6, 7):
+                size = n * step // 4
+                if self(what, opname, dtype, size)[0] not in EXACT:
+                    return size
+            n *= 2
+        return None
 
 
 def chunks(opts, one_node, biggest_shard_bytes):

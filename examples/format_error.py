@@ -63,7 +63,8 @@ def main():
 def measure(comm, wire, B, anomaly, args, dtype, n):
     rank, size = comm.Get_rank(), comm.Get_size()
     rel, anom, identical = [], [], True
-    with QuantizedComm(comm, wire=wire, block_size=B, min_quantized_bytes=0) as qc:
+    with QuantizedComm(comm, wire=wire, algorithm="ring", block_size=B,
+                       min_quantized_bytes=0) as qc:
         for seed in range(args.seeds):
             x = DATA[args.data](np.random.default_rng([seed, rank]), n).astype(dtype)
             exact = np.empty(n, np.float64)

@@ -42,7 +42,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers, limit_blas_threads  # noqa: E402
+from methods import METHODS, STATELESS, Reducers, limit_blas_threads  # noqa: E402
 
 T0 = 300.0          # K, initial and boundary temperature
 R = 0.2             # kappa dt / dx^2
@@ -241,7 +241,7 @@ def main(argv=None):
                    help="type of the reduced fields (the simulation is float64)")
     p.add_argument("--anomaly", default="both", choices=list(MODES),
                    help="reduce anomalies from the previous mean (on), raw fields (off), or both")
-    p.add_argument("--methods", default=",".join(METHODS),
+    p.add_argument("--methods", default=",".join(STATELESS),
                    help=f"comma-separated, from {','.join(METHODS)} (mpi always runs)")
     p.add_argument("--json", help="also write the results to this file (rank 0)")
     p.add_argument("--small", action="store_true", help="tiny sizes, for tests")

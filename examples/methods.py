@@ -1,24 +1,35 @@
 """The AllReduce methods the examples compare, in one table.
 
 Each name maps to QuantizedComm options, or None for mpi4py's exact
-``comm.Allreduce``.  ``make_reducers(comm, names)`` returns, per name, a
-function ``reduce(buf)`` that sums ``buf`` over the ranks in place.
+``comm.Allreduce``; ``feedback=True`` among them gives each buffer shape
+its own equarx_mpi.ErrorFeedback (the residual of one call joins the next
+on the same shape: for gradients).  ``Reducers(comm, names)`` holds, per
+name, a function ``reduce(buf)`` that sums ``buf`` over the ranks in place.
 New library methods (algorithms, wire formats) are one line here.
 """
 import os
 
 from mpi4py import MPI
 
-from equarx_mpi import QuantizedComm
+from equarx_mpi import ErrorFeedback, QuantizedComm
 
+#: a schedule by name at every size (the library's default, "auto", picks per call)
+RING = dict(algorithm="ring", min_quantized_bytes=0)
 METHODS = {
     "mpi": None,                                         # exact, what MPI codes use today
-    "bf16": dict(wire="bf16", min_quantized_bytes=0),    # uncompressed 16-bit ring
-    "int8": dict(wire="int8", min_quantized_bytes=0),    # EQuARX int8 ring, every size
+    "bf16": dict(RING, wire="bf16"),                     # uncompressed 16-bit ring
+    "int8": dict(RING, wire="int8"),                     # EQuARX int8 ring, every size
     "int8-2shot": dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0),
-    "fp8": dict(wire="fp8", min_quantized_bytes=0),      # e4m3 codes, ring
-    "int4": dict(wire="int4", min_quantized_bytes=0),    # half int8's bytes, ring
+    "fp8": dict(RING, wire="fp8"),                       # e4m3 codes, ring
+    "int4": dict(RING, wire="int4"),                     # half int8's bytes, ring
+    "int4+ef": dict(RING, wire="int4", feedback=True),   # + error feedback
+    "fp8+ef": dict(RING, wire="fp8", feedback=True),
 }
+#: the methods without state between calls: the default where one buffer
+#: shape holds different quantities from call to call (activations of each
+#: layer, an ensemble's sum and sum of squares), which error feedback would
+#: mix; dp_digits (one gradient buffer) takes every method
+STATELESS = [name for name, opts in METHODS.items() if not (opts or {}).get("feedback")]
 
 
 class Reducers(dict):
@@ -33,10 +44,15 @@ class Reducers(dict):
             opts = METHODS[name]
             if opts is None:
                 self[name] = lambda buf, c=comm: c.Allreduce(MPI.IN_PLACE, buf)
+                continue
+            opts = dict(opts)
+            feedback = opts.pop("feedback", False)
+            qc = QuantizedComm(comm, **opts)
+            self._qcs.append(qc)
+            self._by_name[name] = qc
+            if feedback:
+                self[name] = _with_feedback(qc)
             else:
-                qc = QuantizedComm(comm, **opts)
-                self._qcs.append(qc)
-                self._by_name[name] = qc
                 self[name] = lambda buf, q=qc: q.Allreduce(MPI.IN_PLACE, buf)
 
     def qc(self, name):
@@ -55,6 +71,16 @@ class Reducers(dict):
 
     def __exit__(self, *exc):
         self.free()
+
+
+def _with_feedback(qc):
+    """reduce(buf) on qc with one ErrorFeedback per buffer shape and dtype."""
+    residuals = {}
+
+    def reduce(buf):
+        ef = residuals.setdefault((buf.shape, buf.dtype.str), ErrorFeedback())
+        qc.Allreduce(MPI.IN_PLACE, buf, feedback=ef)
+    return reduce
 
 
 def parse_methods(parser, text):

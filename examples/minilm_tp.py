@@ -36,7 +36,8 @@ from mpi4py import MPI
 from scipy.special import erf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers, limit_blas_threads, parse_methods  # noqa: E402
+from methods import (METHODS, STATELESS, Reducers, limit_blas_threads,  # noqa: E402
+                     parse_methods)
 
 HIDDEN, HEADS, HEAD_DIM, LAYERS, MLP = 384, 12, 32, 6, 1536
 MAX_TOKENS = 256                       # sentence-transformers' max_seq_length for this model
@@ -237,8 +238,9 @@ def run(comm, methods, sentences, repeats=5):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--methods", default=",".join(METHODS),
-                    help=f"comma-separated, from {', '.join(METHODS)} (default: all)")
+    ap.add_argument("--methods", default=",".join(STATELESS),
+                    help=f"comma-separated, from {', '.join(METHODS)} "
+                         "(default: all without error feedback)")
     ap.add_argument("--sentences", default=SENTENCES, help="one sentence per line")
     ap.add_argument("--repeats", type=int, default=5, help="timed forwards per method")
     ap.add_argument("--json", metavar="FILE", help="write the results as JSON")

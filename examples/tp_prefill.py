@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import METHODS, Reducers, limit_blas_threads  # noqa: E402
+from methods import METHODS, STATELESS, Reducers, limit_blas_threads  # noqa: E402
 
 DEFAULTS = dict(layers=2, hidden=2048, heads=8, head_dim=None, mlp=8192, tokens=1024)
 SMALL = dict(layers=2, hidden=128, heads=8, head_dim=None, mlp=512, tokens=64)
@@ -272,7 +272,7 @@ def main(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=None,
                        help=f"default {v or 'hidden/heads'} ({SMALL[k] or 'hidden/heads'} with --small)")
     p.add_argument("--repeat", type=int, default=5, help="timed forwards per method")
-    p.add_argument("--methods", default=",".join(METHODS),
+    p.add_argument("--methods", default=",".join(STATELESS),
                    help=f"comma-separated, from {','.join(METHODS)} (mpi always runs: the reference)")
     p.add_argument("--json", help="also write the results to this file (rank 0)")
     p.add_argument("--small", action="store_true", help="tiny dims, for tests")

@@ -12,8 +12,9 @@ goes through the wrapper, their code unchanged.  unittest runs them (as
 mpi4py's own runner, main.py, would; it hides numba from everything, which
 the library needs).
 
---quantized sets min_quantized_bytes=0 (as EQUARX_MPI_MIN_QUANTIZED_BYTES,
-the environment route), so their float SUMs of a few values travel as
+--quantized sets algorithm="ring" and min_quantized_bytes=0 (as
+EQUARX_MPI_ALGORITHM and EQUARX_MPI_MIN_QUANTIZED_BYTES, the environment
+route; "auto", the default, keeps such small messages exact), so their float SUMs of a few values travel as
 int8 through every buffer form; their checks allow 1% (assertAlmostEqual),
 which int8 meets on their small integers.  Afterwards every rank checks
 that the calls went through the library (and, with --quantized, that some
@@ -26,6 +27,7 @@ testdir, quantized = sys.argv[1], "--quantized" in sys.argv[2:]
 extra = [a for a in sys.argv[2:] if a != "--quantized"]     # for unittest: -v, -k NAME
 if quantized:
     os.environ["EQUARX_MPI_MIN_QUANTIZED_BYTES"] = "0"
+    os.environ["EQUARX_MPI_ALGORITHM"] = "ring"
 sys.path.insert(0, testdir)
 
 from mpi4py import MPI  # noqa: E402

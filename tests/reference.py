@@ -39,10 +39,66 @@ def _tiny_lift(acc):
         acc(2.0 ** -1000), acc(2.0 ** 128))
 
 
-def quantize(v, block, rounding="nearest"):
+# --- stochastic rounding (kernels/stochastic.py, formats.py) ---------------------------
+GOLDEN = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def mix64(z):
+    """splitmix64's finalizer, on a Python int or a uint64 array."""
+    if isinstance(z, int):
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        return z ^ (z >> 31)
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def call_key(seed, call, rank):
+    """The key of a rank's call: seed, the call's number (0 for the first
+    stochastic call of a QuantizedComm with that input type) and the rank
+    absorbed in turn: z = mix64((z ^ v) + GOLDEN) from z = 0."""
+    z = 0
+    for v in (seed, call, rank):
+        z = mix64(((z ^ v) + GOLDEN) & _MASK)
+    return z
+
+
+def uniforms(key, shape, acc):
+    """The uniform numbers of values offset .. offset + size - 1 of the
+    message (key = (call key, offset)), shaped: top bits of
+    mix64(call key + (index + 1) * GOLDEN), k * 2^-24 (float32) or k * 2^-53."""
+    base, offset = key
+    n = int(np.prod(shape))
+    g = np.arange(offset + 1, offset + 1 + n, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = mix64(np.uint64(base) + g * np.uint64(GOLDEN))
+    if acc == np.float32:
+        u = (z >> np.uint64(40)).astype(np.float32) * np.float32(2.0 ** -24)
+    else:
+        u = (z >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    return u.reshape(shape)
+
+
+def stochastic(vp, q, a, levels, key):
+    """Codes rounded stochastically: floor(q) + 1 with probability
+    frac(q), clamped to +-levels, and +-a (the block's largest magnitude,
+    a[:, None]) always +-levels."""
+    acc = vp.dtype.type
+    f = np.floor(q)
+    u = uniforms(key, vp.shape, acc)
+    c = f + np.where(u < q - f, acc(1), acc(0))
+    c = np.clip(c, acc(-levels), acc(levels))
+    return np.where(vp == a, acc(levels), np.where(vp == -a, acc(-levels), c))
+
+
+def quantize(v, block, rounding="nearest", key=None):
     """v: 1-D float32/float64 values (already in the accumulation type).
     Returns (headers in v's type, int8 codes).  Vectorized over blocks; the
-    arithmetic is the spec's, value by value."""
+    arithmetic is the spec's, value by value.  rounding "stochastic" takes
+    key = (call key, index of v[0] in the message)."""
     v = np.asarray(v)
     acc = v.dtype.type
     n = v.size
@@ -59,6 +115,8 @@ def quantize(v, block, rounding="nearest"):
         k = acc(1) / acc(LEVELS)
         if rounding == "nearest":
             c = np.rint(q)
+        elif rounding == "stochastic":
+            c = stochastic(vp, q, a[:, None], LEVELS, key)
         elif rounding == "up":
             c = np.minimum(np.ceil(q), acc(LEVELS))
             c = np.where((c * k) * a[:, None] < vp, c + 1, c)
@@ -83,7 +141,8 @@ def dequantize(heads, codes, block):
 
 def step_bound(heads, block, n, rounding="nearest"):
     """Per value, the bound on |x - D(Q(x))| of its block (inf if flagged):
-    half a step when rounding to nearest, a whole step when directed."""
+    half a step when rounding to nearest, a whole step when directed or
+    stochastic."""
     acc = heads.dtype.type
     u = unit_roundoff(heads.dtype)
     a = np.repeat(heads.astype(np.float64), block)[:n]
@@ -113,8 +172,8 @@ class Int8Codec:
     codecs (reference_formats.py) have the same four methods."""
 
     @staticmethod
-    def quantize(v, block, rounding="nearest"):
-        return quantize(v, block, rounding)
+    def quantize(v, block, rounding="nearest", key=None):
+        return quantize(v, block, rounding, key)
 
     @staticmethod
     def dequantize(wire, block):
@@ -134,11 +193,13 @@ class Int8Codec:
 INT8 = Int8Codec()
 
 
-def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce", codec=INT8):
+def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce", codec=INT8,
+                   keys=None):
     """What every rank of the ring returns, for a list of per-rank arrays
     and a wire format (``codec``, int8 by default): the same shards, order
     and requantization.  Blocks that end flagged (Inf/NaN) are NaN here;
-    the library reduces them exactly.
+    the library reduces them exactly.  ``keys``: each rank's call_key,
+    for a SUM rounded stochastically.
 
     kind "reduce_scatter": the P*m inputs are cut into P shards of m (no
     block balancing) and the last hop reduces at full precision instead of
@@ -157,15 +218,16 @@ def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce", 
     if P == 1:
         result = inputs[0].copy()
         return (result, bound, np.zeros(n, bool)) if with_bound else result
-    rounding = ROUNDING[op]
+    rounding = "stochastic" if keys is not None and op == "sum" else ROUNDING[op]
     edges = (shard_edges(n, P, block) if kind == "allreduce"
              else [s * (n // P) for s in range(P + 1)])
+    key = (lambda r: (keys[r], edges[s])) if keys is not None else (lambda r: None)
     for s in range(P):
         sl = slice(edges[s], edges[s + 1])
         m = edges[s + 1] - edges[s]
         # shard s starts at rank s+1 and travels right, ending at rank s
         first = (s + 1) % P
-        wire = codec.quantize(own[first][sl], block, rounding)
+        wire = codec.quantize(own[first][sl], block, rounding, key(first))
         bound[sl] += codec.bound(own[first][sl], wire, block, rounding)
         for hop in range(1, P):
             r = (first + hop) % P
@@ -176,7 +238,7 @@ def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce", 
             if hop == P - 1 and kind == "reduce_scatter":
                 result[sl] = np.where(_over_limit(part, block, dtype), np.nan, part)
                 break
-            wire = codec.quantize(part, block, rounding)
+            wire = codec.quantize(part, block, rounding, key(r))
             bound[sl] += codec.bound(part, wire, block, rounding)
         else:
             dec = codec.dequantize(wire, block)
@@ -212,12 +274,16 @@ def _half_tiny(dtype):
     return 2.0 ** -25 if np.dtype(dtype) == np.float16 else 2.0 ** -134
 
 
-def allgather(segments, block, codec=INT8):
+def allgather(segments, block, codec=INT8, keys=None):
     """What the quantized Allgather returns: each segment quantized once by
-    its owner (blocks start at the segment's start)."""
+    its owner (blocks start at the segment's start); ``keys``: each rank's
+    call_key, for stochastic rounding."""
     out = []
-    for seg in segments:
-        wire = codec.quantize(to_acc(seg), block)
+    for r, seg in enumerate(segments):
+        if keys is None:
+            wire = codec.quantize(to_acc(seg), block)
+        else:
+            wire = codec.quantize(to_acc(seg), block, "stochastic", (keys[r], r * seg.size))
         out.append(codec.dequantize(wire, block).astype(seg.dtype))
     return np.concatenate(out)
 
@@ -236,11 +302,11 @@ def _wire_dtype(wire, dtype):
     return np.dtype(np.float16) if np.dtype(dtype) == np.float16 else BF16
 
 
-def _send(x, block, rounding, wire, dtype):
+def _send(x, block, rounding, wire, dtype, key=None):
     """(what the receiver decodes, the bound on its error) for values x
     (accumulation type) sent once on ``wire``."""
     if wire == "int8":
-        h, c = quantize(x, block, rounding)
+        h, c = quantize(x, block, rounding, key)
         return dequantize(h, c, block), step_bound(h, block, x.size, rounding)
     wd = _wire_dtype(wire, dtype)
     with np.errstate(over="ignore"):
@@ -254,7 +320,7 @@ def _send(x, block, rounding, wire, dtype):
 
 
 def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce",
-                       wire="int8"):
+                       wire="int8", keys=None):
     """What every rank of the two-shot schedule returns, for a list of
     per-rank arrays.  Owner s of shard s (shards as the ring's) reduces in
     rank order 0..P-1 the other ranks' values of shard s, each sent once on
@@ -265,7 +331,8 @@ def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduc
 
     With with_bound, also (bound, flagged) like ring_allreduce: per value,
     the senders' quantization bounds, the rounding of every float addition
-    (u |partial sum|), the owner's quantization bound and the final cast."""
+    (u |partial sum|), the owner's quantization bound and the final cast.
+    ``keys``: each rank's call_key, for a SUM rounded stochastically."""
     P = len(inputs)
     dtype = inputs[0].dtype
     acc = acc_dtype(dtype)
@@ -277,9 +344,10 @@ def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduc
     if P == 1:
         result = inputs[0].copy()
         return (result, bound, np.zeros(n, bool)) if with_bound else result
-    rounding = ROUNDING[op]
+    rounding = "stochastic" if keys is not None and op == "sum" else ROUNDING[op]
     edges = (shard_edges(n, P, block) if kind == "allreduce"
              else [s * (n // P) for s in range(P + 1)])
+    key = (lambda r: (keys[r], edges[s])) if keys is not None else (lambda r: None)
     for s in range(P):
         sl = slice(edges[s], edges[s + 1])
         if edges[s + 1] == edges[s]:
@@ -290,7 +358,7 @@ def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduc
             bad |= _nonfinite_blocks(x, block)
             val = x
             if q != s:
-                val, b = _send(x, block, rounding, wire, dtype)
+                val, b = _send(x, block, rounding, wire, dtype, key(q))
                 bound[sl] += b
             if part is None:
                 part = val.copy()
@@ -303,10 +371,10 @@ def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduc
         if kind == "reduce_scatter":
             result[sl] = np.where(_over_limit(part, block, dtype), np.nan, part)
             continue
-        dec, b = _send(part, block, rounding, wire, dtype)
+        dec, b = _send(part, block, rounding, wire, dtype, key(s))
         bound[sl] += b
         if wire == "int8":
-            heads = np.repeat(quantize(part, block, rounding)[0], block)[:part.size]
+            heads = np.repeat(quantize(part, block, rounding, key(s))[0], block)[:part.size]
             gone = _over_limit(heads, 1, dtype)
         else:
             gone = _nonfinite_blocks(dec, block)

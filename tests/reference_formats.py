@@ -19,7 +19,7 @@ float32 operations are IEEE single precision)."""
 import ml_dtypes
 import numpy as np
 
-from reference import tiny_abs, unit_roundoff
+from reference import stochastic, tiny_abs, unit_roundoff
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448
@@ -83,7 +83,7 @@ class Int4:
     L = 7
     ROUNDOFF = 40        # bound: a/7 * (1/2 + 40 u) + eta (docs/FORMAT.md)
 
-    def quantize(self, v, block, rounding="nearest"):
+    def quantize(self, v, block, rounding="nearest", key=None):
         v = np.asarray(v)
         acc = v.dtype.type
         n = v.size
@@ -95,6 +95,8 @@ class Int4:
             A = a[:, None]
             if rounding == "nearest":
                 c = np.rint(q)
+            elif rounding == "stochastic":
+                c = stochastic(vp, q, A, self.L, key)
             elif rounding == "up":
                 c = np.minimum(np.ceil(q), acc(self.L))
                 c = np.where((c * k) * A < vp, c + 1, c)
@@ -155,7 +157,7 @@ class Fp8:
     e4m3(x * fl(448 / a)), round to nearest even; decoded
     (e4m3_value(c) * fl(1/448)) * a."""
 
-    def quantize(self, v, block, rounding="nearest"):
+    def quantize(self, v, block, rounding="nearest", key=None):
         v = np.asarray(v)
         acc = v.dtype.type
         n = v.size
@@ -247,7 +249,7 @@ class Affine:
             v = np.where(v < lo, lo, v)
         return np.where(t == 0, lo, np.where(t == self.L, hi, v))
 
-    def quantize(self, v, block, rounding="nearest"):
+    def quantize(self, v, block, rounding="nearest", key=None):
         v = np.asarray(v)
         acc = v.dtype.type
         n = v.size

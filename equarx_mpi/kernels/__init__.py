@@ -41,7 +41,8 @@ def _drop_stale_cache():
 _drop_stale_cache()
 
 from .common import (OP_MAX, OP_MIN, OP_SUM, ROUND_DOWN, ROUND_NEAREST,  # noqa: E402,F401
-                     ROUND_UP)
+                     ROUND_STOCHASTIC, ROUND_UP)
+from .stochastic import GOLDEN  # noqa: E402,F401
 from .int8 import (i8_decode, i8_decode_reduce, i8_decode_reduce_encode,  # noqa: E402,F401
                    i8_decode_reduce_encode_many, i8_decode_reduce_many, i8_encode)
 from .plain import (plain_decode, plain_decode_reduce,  # noqa: E402,F401

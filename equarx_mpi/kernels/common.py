@@ -17,8 +17,9 @@ from numba.extending import intrinsic, overload
 
 OP_SUM, OP_MAX, OP_MIN = 0, 1, 2
 #: Rounding of values to codes: nearest (ties to even), or directed so that
-#: a decoded value is never below (UP) or above (DOWN) the value encoded.
-ROUND_NEAREST, ROUND_UP, ROUND_DOWN = 0, 1, 2
+#: a decoded value is never below (UP) or above (DOWN) the value encoded,
+#: or STOCHASTIC: up or down at random, unbiased (``stochastic_code``).
+ROUND_NEAREST, ROUND_UP, ROUND_DOWN, ROUND_STOCHASTIC = 0, 1, 2, 3
 CACHE = dict(cache=True, nogil=True)
 #: For the kernels that allocate nothing: without numba's reference counting
 #: (NRT), an array handed to an inlined helper costs no atomic incref/decref

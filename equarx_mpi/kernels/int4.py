@@ -12,14 +12,16 @@ Code j of a piece sits in byte j // 2, the low nibble for even j, as a
 high nibble of its last byte 0.  fl(7 * k) == 1 in float32 and float64, so
 code +-7 decodes to exactly +-a: block extremes, constant blocks and 0/1
 masks come back exactly and |x'| <= a.  Zeros, flagged blocks, the 16-bit
-output limit and directed rounding work as in int8 (kernels/int8.py).
+output limit, directed and stochastic rounding work as in int8
+(kernels/int8.py).
 """
 import numpy as np
 from numba import njit
 
-from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max,
-                     acc_block, as_acc, from_abs_bits, load, out_limit, reduce2, sign_code,
-                     store, wide_tiny_lift, wide_vectors, keep_or_skip)
+from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_UP,
+                     abs_bits, abs_max, acc_block, as_acc, from_abs_bits, keep_or_skip, load,
+                     out_limit, reduce2, sign_code, store, wide_tiny_lift, wide_vectors)
+from .stochastic import stochastic_code
 
 LEVELS = 7
 _U = np.uint64
@@ -37,14 +39,16 @@ def _pair(c0, c1):
 
 
 @njit(inline='always', **CACHE)
-def _code(x, q, a, k, levels, rmode):
-    """The code of x (q = x scaled to code units): nearest, or ceiling /
-    floor corrected so the decoded value never falls below / above x (the
-    roundings of r and of the decode can cross it; code +-7 decodes to +-a,
-    so the correction never leaves [-7, 7]).  All in x's type: a plain 7
-    would promote float32 to float64."""
+def _code(x, q, a, k, levels, rmode, stream, i):
+    """The code of x (q = x scaled to code units), value i of its piece:
+    nearest, stochastic, or ceiling / floor corrected so the decoded value
+    never falls below / above x (the roundings of r and of the decode can
+    cross it; code +-7 decodes to +-a, so the correction never leaves
+    [-7, 7]).  All in x's type: a plain 7 would promote float32 to float64."""
     if rmode == ROUND_NEAREST:
         return np.rint(q)
+    if rmode == ROUND_STOCHASTIC:
+        return stochastic_code(x, q, a, levels, stream, i)
     if rmode == ROUND_UP:
         c = min(np.ceil(q), levels)
         if (c * k) * a < x:
@@ -57,7 +61,7 @@ def _code(x, q, a, k, levels, rmode):
 
 
 @njit(inline='always', **CACHE)
-def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
+def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
     """Quantize vals[off:off+m] (accumulation type, largest magnitude bits
     max_u) into header[b] and the nibbles of values lo..lo+m-1 (lo even)."""
     zero = as_acc(header, 0)
@@ -90,25 +94,26 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
     else:
         for j in range(half):
             x0, x1 = vals[_U(off + 2 * j)], vals[_U(off + 2 * j + 1)]
-            c0 = _code(x0, (x0 * lift) * r, a, k, levels, rmode)
-            c1 = _code(x1, (x1 * lift) * r, a, k, levels, rmode)
+            c0 = _code(x0, (x0 * lift) * r, a, k, levels, rmode, stream, lo + 2 * j)
+            c1 = _code(x1, (x1 * lift) * r, a, k, levels, rmode, stream, lo + 2 * j + 1)
             codes[at + _U(j)] = _pair(c0, c1)
     if m & 1:
         x0 = vals[_U(off + m - 1)]
-        codes[at + _U(half)] = _pair(_code(x0, (x0 * lift) * r, a, k, levels, rmode), 0)
+        codes[at + _U(half)] = _pair(_code(x0, (x0 * lift) * r, a, k, levels, rmode, stream,
+                                           lo + m - 1), 0)
     header[b] = a
 
 
 @njit(**KERNEL)
-def i4_encode(src, header, codes, block, scratch, rmode):
-    """(header, codes) = Q(src)."""
+def i4_encode(src, header, codes, block, scratch, rmode, stream=np.uint64(0)):
+    """(header, codes) = Q(src); ``stream`` keys stochastic rounding."""
     wide_vectors()
     n = src.size
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
         vals, off = acc_block(src, lo, m, scratch)
-        emit(vals, off, m, abs_max(vals, off, m, header), header, b, codes, lo, rmode)
+        emit(vals, off, m, abs_max(vals, off, m, header), header, b, codes, lo, rmode, stream)
 
 
 @njit(**KERNEL)
@@ -189,7 +194,8 @@ def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
 
 
 @njit(**KERNEL)
-def i4_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
+def i4_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode,
+                            stream=np.uint64(0)):
     """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
     place allowed (a block is read whole into scratch before it is
     written)."""
@@ -200,4 +206,4 @@ def i4_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, r
         lo = b * block
         m = min(block, n - lo)
         max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, k, scratch)
-        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)
+        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)

@@ -25,6 +25,10 @@ whose largest magnitude rounds to Inf there (common.out_limit).
 
 Directed rounding (ROUND_UP / ROUND_DOWN, for MAX / MIN) takes the ceiling
 or floor and then checks the decoded value, so x' >= x (or <= x) always.
+Stochastic rounding (ROUND_STOCHASTIC, for SUM when asked for) rounds up
+with probability frac(x * r) (stochastic.stochastic_code): E[c] = x * r; value
+i of a piece draws its uniform number from ``stream`` + i (common.uniform),
+so the codes are a pure function of the values and the stream.
 Speed (docs/results/kernels-*.txt): inner loops index with uint64 (numba
 then skips negative-index wraparound, which would turn vector loads into
 gathers); the per-block helpers are inlined in numba's IR (inline='always'),
@@ -36,9 +40,10 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, as_acc,
-                     from_abs_bits, load, out_limit, reduce2, sign_code, store,
-                     wide_vectors, keep_or_skip)
+from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_UP,
+                     abs_bits, as_acc, from_abs_bits, keep_or_skip, load, out_limit, reduce2,
+                     sign_code, store, wide_vectors)
+from .stochastic import stochastic_code
 
 LEVELS = 127
 _U = np.uint64
@@ -83,9 +88,10 @@ def _block_values(src, lo, m, scratch):
 
 
 @njit(inline='always', **CACHE)
-def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
+def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
     """Quantize vals[off:off+m] (accumulation type; largest magnitude bits
-    max_u) into header[b] and codes[lo:lo+m]."""
+    max_u) into header[b] and codes[lo:lo+m] (value lo + j of the piece:
+    uniform number lo + j of ``stream`` when stochastic)."""
     zero = as_acc(header, 0)
     if max_u >= abs_bits(as_acc(header, np.inf)):
         header[b] = np.inf                       # flagged: Inf or NaN inside
@@ -106,7 +112,12 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
     else:
         lift = as_acc(header, 1)
         r = levels / a
-    if rmode != ROUND_NEAREST:
+    if rmode == ROUND_STOCHASTIC:
+        for j in range(m):
+            x = vals[_U(off + j)]
+            codes[_U(lo + j)] = np.int8(stochastic_code(x, (x * lift) * r, a, levels, stream,
+                                                        lo + j))
+    elif rmode != ROUND_NEAREST:
         k = as_acc(header, 1) / levels
         _directed(vals, off, m, lift, r, a, k, levels, codes, lo, rmode == ROUND_UP)
     elif lift == 1:
@@ -142,15 +153,15 @@ def _directed(vals, off, m, lift, r, a, k, levels, codes, lo, up):
 
 
 @njit(**KERNEL)
-def i8_encode(src, header, codes, block, scratch, rmode):
-    """(header, codes) = Q(src)."""
+def i8_encode(src, header, codes, block, scratch, rmode, stream=np.uint64(0)):
+    """(header, codes) = Q(src); ``stream`` keys stochastic rounding."""
     wide_vectors()
     n = src.size
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
         vals, off, max_u = block_values(src, lo, m, scratch)
-        emit(vals, off, m, max_u, header, b, codes, lo, rmode)
+        emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream)
 
 
 @njit(**KERNEL)
@@ -219,7 +230,8 @@ def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
 
 
 @njit(**KERNEL)
-def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
+def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode,
+                            stream=np.uint64(0)):
     """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop, one
     pass per block; in place allowed (a block is read whole into scratch
     before it is written)."""
@@ -230,7 +242,7 @@ def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, r
         lo = b * block
         m = min(block, n - lo)
         max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, k, scratch)
-        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)
+        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)
 
 
 # --- many inputs at once (the two-shot owner's reduction) ---------------------
@@ -298,7 +310,7 @@ def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
 
 @njit(**KERNEL)
 def i8_decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block, op,
-                                 scratch, rmode):
+                                 scratch, rmode, stream=np.uint64(0)):
     """(h_out, c_out) = Q(rank-order reduction of own and the messages),
     one pass per block; a block flagged in any input ends flagged."""
     wide_vectors()
@@ -308,7 +320,7 @@ def i8_decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block,
         lo = b * block
         m = min(block, n - lo)
         max_u = _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch)
-        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)
+        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)
 
 
 @njit(**KERNEL)

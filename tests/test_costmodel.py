@@ -1,0 +1,308 @@
+"""The cost model behind algorithm="auto" (serial): profiles (load, save,
+version, EQUARX_MPI_PROFILE, the built-in one), predictions (positive, not
+decreasing with size, deterministic), the error model, the accuracy filter
+of policy.choose, and ``python -m equarx_mpi.tune --quick`` at 2 ranks.
+
+    pytest -q tests/test_costmodel.py
+"""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from equarx_mpi import costmodel, options, policy, profiles
+from equarx_mpi.validate import BFLOAT16
+
+LAYOUTS = [(1, 2), (1, 3), (1, 8), (2, 1), (2, 4), (4, 2), (16, 8), (128, 8)]
+SIZES = [1 << k for k in range(6, 33)] + [3 << 20, 5000, 123457]
+LOSSY = ("ring", "two_shot", "hierarchical")
+
+
+def model(nodes, rpn, wire="int8", block=256, profile=None):
+    return costmodel.Model(profile or profiles.builtin(), nodes, rpn, wire, block)
+
+
+def layout(nodes, rpn):
+    return policy.Layout(nodes, rpn, True)
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    """No profile named in the environment; the saved-profile folder is
+    an empty temporary one."""
+    monkeypatch.delenv(profiles.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path
+
+
+# --- profiles --------------------------------------------------------------------
+def test_builtin_is_a_valid_profile_and_a_copy():
+    p = profiles.builtin()
+    assert profiles.check(p) is p and p["version"] == profiles.VERSION
+    p["layouts"].clear()
+    assert profiles.builtin()["layouts"], "builtin() must hand out a copy"
+
+
+def test_check_rejects_other_versions_and_missing_parts():
+    p = profiles.builtin()
+    for bad in ([], dict(p, version=profiles.VERSION + 1), {k: v for k, v in p.items()
+                                                            if k != "kernels"}):
+        with pytest.raises(ValueError):
+            profiles.check(bad)
+    lay = dict(p["layouts"]["1x2"], sizes=[1, 2])
+    with pytest.raises(ValueError, match="differ in length"):
+        profiles.check(dict(p, layouts={"1x2": lay}))
+
+
+def test_saved_profile_is_found_and_loaded(clean_env):
+    assert profiles.find_profile()[1] == "builtin"       # nothing saved
+    p = profiles.builtin()
+    p["layouts"]["1x2"]["sync"] = 1.5e-3
+    path = profiles.default_path()
+    assert path.startswith(str(clean_env / "cache" / "equarx_mpi"))
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        json.dump(p, f)
+    got, source = profiles.find_profile()
+    assert source == path and got["layouts"]["1x2"]["sync"] == 1.5e-3
+    with open(path, "w") as f:      # a broken saved file: a warning, the built-in
+        f.write("{")
+    with pytest.warns(UserWarning, match="ignoring the profile"):
+        assert profiles.find_profile()[1] == "builtin"
+
+
+def test_env_names_the_profile(clean_env, monkeypatch):
+    part = {"version": profiles.VERSION, "cores": 64, "copy": 1e-11, "kernels": {},
+            "layouts": {}}
+    path = clean_env / "mine.json"
+    path.write_text(json.dumps(part))
+    monkeypatch.setenv(profiles.ENV, str(path))
+    got, source = profiles.find_profile()
+    # what the file lacks comes from the built-in profile
+    assert source == str(path) and got["cores"] == 64 and got["layouts"]
+    monkeypatch.setenv(profiles.ENV, "builtin")
+    assert profiles.find_profile() == (profiles.builtin(), "builtin")
+    for bad in (str(clean_env / "missing.json"), str(clean_env / "bad.json")):
+        (clean_env / "bad.json").write_text(json.dumps(dict(part, version=99)))
+        monkeypatch.setenv(profiles.ENV, bad)
+        with pytest.raises(ValueError, match=profiles.ENV):
+            profiles.find_profile()
+
+
+def test_host_key_ignores_node_numbers():
+    assert profiles.host_key("node017.cluster") == profiles.host_key("node102")
+    assert profiles.host_key("node1") != profiles.host_key("login1")
+    assert len(profiles.host_key()) == 12
+
+
+def test_merge_keeps_what_only_the_base_has():
+    base = profiles.builtin()
+    top = {"layouts": {"9x9": {"nodes": 9}}, "kernels": {"fp8": {}}, "cores": 7}
+    m = profiles.merge(base, top)
+    assert m["cores"] == 7 and "9x9" in m["layouts"] and "1x2" in m["layouts"]
+    assert "fp8" in m["kernels"] and "int8" in m["kernels"]
+    assert "9x9" not in base["layouts"]
+
+
+# --- predictions ---------------------------------------------------------------
+def test_oneshot_bytes_matches_shm():
+    from equarx_mpi import shm
+    assert costmodel.ONESHOT_BYTES == shm.ONESHOT_BYTES
+
+
+@pytest.mark.parametrize("nodes,rpn", LAYOUTS)
+def test_times_are_positive_and_grow_with_size(nodes, rpn):
+    m = model(nodes, rpn)
+    methods = ["mpi", "ring", "two_shot"] + (["shm"] if nodes == 1 else []) + (
+        ["hierarchical"] if nodes > 1 and rpn > 1 else [])
+    for meth in methods:
+        for itemsize, dt in ((4, "float32"), (8, "float64"), (2, "float16"), (2, "bfloat16")):
+            ts = [m.time(meth, n, itemsize, dt) for n in sorted(SIZES)]
+            assert all(t > 0 and math.isfinite(t) for t in ts), (meth, dt)
+            assert all(a <= b for a, b in zip(ts, ts[1:])), (meth, dt, ts)
+        # large messages: about proportional to the size
+        big = m.time(meth, 1 << 30, 4) / m.time(meth, 1 << 29, 4)
+        assert 1.5 < big < 2.5, (meth, big)
+
+
+def test_bigger_clusters_take_longer():
+    for meth in ("mpi", "ring", "two_shot"):
+        ts = [model(n, 8).time(meth, 64 << 20, 4) for n in (2, 8, 32, 128)]
+        assert all(a <= b * 1.001 for a, b in zip(ts, ts[1:])), (meth, ts)
+
+
+def test_predictions_are_deterministic():
+    a, b = model(4, 8), model(4, 8)
+    for meth in ("mpi", "ring", "two_shot", "hierarchical"):
+        for n in SIZES:
+            assert a.time(meth, n, 4) == b.time(meth, n, 4) == a.time(meth, n, 4)
+
+
+def test_lg_is_exact_at_powers_of_two_and_increasing():
+    assert [costmodel.lg(2.0 ** k) for k in range(-3, 40)] == list(range(-3, 40))
+    xs = np.linspace(1, 1000, 5000)
+    ys = [costmodel.lg(float(x)) for x in xs]
+    assert all(a < b for a, b in zip(ys, ys[1:]))
+
+
+# --- error model and the accuracy filter ----------------------------------------
+def test_error_model():
+    e1 = costmodel.E1["int8"][256]
+    assert costmodel.error("mpi", "int8", 256, 8, 1) == costmodel.error("shm", "int8", 256, 8,
+                                                                        1) == 0
+    ring = [costmodel.error("ring", "int8", 256, P, 1) for P in (2, 4, 8, 64)]
+    two = [costmodel.error("two_shot", "int8", 256, P, 1) for P in (2, 4, 8, 64)]
+    assert all(a < b for a, b in zip(ring, ring[1:]))
+    assert all(e1 <= t <= e1 * math.sqrt(2) for t in two)
+    # hierarchical: the error of the node count
+    assert costmodel.error("hierarchical", "int8", 256, 64, 8) == costmodel.error(
+        "two_shot", "int8", 256, 8, 8)
+    for wire in ("int8", "int4", "int8-affine", "int4-affine"):
+        es = [costmodel.E1[wire][b] for b in sorted(costmodel.E1[wire])]
+        assert all(a < b for a, b in zip(es, es[1:])), wire
+
+
+@pytest.mark.parametrize("wire,block", [("int8", 256), ("int8", 32), ("int8", 4096),
+                                        ("fp8", 256), ("bf16", 256), ("int4", 64),
+                                        ("int8-affine", 256)])
+def test_one_quantization_error_is_as_tabulated(wire, block):
+    """E1, the base of the error model: the relative L2 error of one
+    encode + decode of standard-normal float32 values."""
+    from equarx_mpi import formats
+    n = 1 << 20
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    fmt = formats.make_format(wire, block, x.dtype)
+    w = fmt.views(np.zeros(fmt.nbytes(n), np.uint8), n)
+    fmt.encode(x, w, policy.ROUNDING["sum"])
+    y = np.empty_like(x)
+    fmt.decode(w, y)
+    e = float(np.linalg.norm(y.astype(np.float64) - x) / np.linalg.norm(x.astype(np.float64)))
+    assert abs(e / costmodel.E1[wire][block] - 1) < 0.03, (e, costmodel.E1[wire][block])
+
+
+def _choose(nodes, rpn, nbytes, dtype=np.float32, op="sum", **kw):
+    o = options.resolve(dict(dict(algorithm="auto"), **kw))
+    m = costmodel.Model(profiles.builtin(), nodes, rpn, o["wire"], o["block_size"])
+    return policy.choose(o, "Allreduce", op, np.dtype(dtype), nbytes, nodes * rpn,
+                         layout(nodes, rpn), m), m
+
+
+@pytest.mark.parametrize("acc", [None, "exact", 0.5, 0.01, 0.009, 0.0086, 0.005, 1e-4])
+@pytest.mark.parametrize("nodes,rpn", LAYOUTS)
+def test_auto_never_picks_a_method_above_the_accepted_error(acc, nodes, rpn):
+    for wire in ("int8", "bf16", "fp8", "int4"):
+        seen = set()
+        for n in SIZES:
+            (meth, reason), m = _choose(nodes, rpn, n, wire=wire, accuracy=acc)
+            seen.add(meth)
+            if acc == "exact":
+                assert meth in policy.EXACT, (n, meth, reason)
+            elif acc is not None:
+                assert m.error(meth) <= acc, (wire, n, meth, m.error(meth), acc)
+        if acc is None and wire == "int8":
+            assert seen & set(LOSSY), f"auto never quantizes at {nodes}x{rpn}"
+
+
+def test_accuracy_wins_near_ties():
+    t = {"ring": 1.0, "two_shot": 1.04, "hierarchical": 1.2}.get
+    err = {"ring": 0.15, "two_shot": 0.01, "hierarchical": 0.005}.get
+    assert policy.near_fastest(["ring", "two_shot", "hierarchical"], t, err) == "two_shot"
+    assert policy.near_fastest(["ring", "hierarchical"], t, err) == "ring"
+    # through choose: 1024 ranks, one per node: never the ring where two-shot
+    # is predicted within the margin
+    for n in SIZES:
+        (meth, _), m = _choose(1024, 1, n)
+        if meth == "ring":
+            assert m.time("two_shot", n, 4) > m.time("ring", n, 4) * policy.LOSSY_MARGIN
+
+
+def test_auto_keeps_max_min_and_other_dtypes_exact():
+    for n in SIZES:
+        for op in ("max", "min"):
+            assert _choose(2, 4, n, op=op)[0][0] in policy.EXACT
+        assert _choose(2, 4, n, op="max", lossy_ops=("sum", "max"))[0][0] in (
+            policy.EXACT + LOSSY)
+        assert _choose(2, 4, n, dtype=np.int32)[0][0] == "mpi"
+        assert _choose(2, 4, n, algorithm="mpi")[0][0] == "mpi"
+
+
+def test_named_algorithms_keep_their_measured_crossover():
+    for nodes, least in ((1, 4 << 20), (2, 256 << 10)):
+        for alg in ("ring", "two_shot"):
+            below = _choose(nodes, 4, least - 4, algorithm=alg)[0][0]
+            above = _choose(nodes, 4, least, algorithm=alg)[0][0]
+            assert (below, above) == ("mpi", alg)
+    # accuracy binds a named algorithm too: the call is exact instead
+    assert _choose(1, 8, 64 << 20, algorithm="ring", accuracy=0.001)[0][0] == "mpi"
+
+
+def test_min_quantized_bytes_is_a_floor_for_auto():
+    for n in SIZES:
+        meth = _choose(2, 4, n, min_quantized_bytes=1 << 24)[0][0]
+        assert n >= 1 << 24 or meth in policy.EXACT
+
+
+def test_chooser_remembers_and_finds_the_crossover():
+    o = options.resolve(dict(algorithm="auto"))
+    m = costmodel.Model(profiles.builtin(), 1, 4, "int8", 256)
+    c = policy.Chooser(o, 4, layout(1, 4), m)
+    x = c.crossover("Allreduce", "sum", np.dtype(np.float32), 1 << 31)
+    assert x is not None and x > 1024 and c("Allreduce", "sum", np.dtype(np.float32), x)[0] in LOSSY
+    assert c("Allreduce", "sum", np.dtype(np.float32), x * 3 // 4)[0] in policy.EXACT
+    assert c("Allreduce", "sum", np.dtype(np.float32), 12345) is c(
+        "Allreduce", "sum", np.dtype(np.float32), 12345)
+
+
+def test_16_bit_types_have_a_model():
+    for dt in (np.float16, BFLOAT16):
+        (meth, reason), _ = _choose(1, 4, 64 << 20, dtype=dt)
+        assert meth in policy.EXACT + LOSSY and "predicted" in reason
+
+
+# --- options ----------------------------------------------------------------------
+def test_accuracy_option(monkeypatch):
+    assert options.resolve({})["algorithm"] == os.environ.get("EQUARX_MPI_ALGORITHM", "auto")
+    for good in (None, "exact", 0.01, 0.5):
+        assert options.resolve(dict(accuracy=good))["accuracy"] == good
+    for bad in (0, 1, -0.1, 2, "fast", True, float("nan")):
+        with pytest.raises(ValueError, match="accuracy"):
+            options.resolve(dict(accuracy=bad))
+    monkeypatch.setenv("EQUARX_MPI_ACCURACY", "0.02")
+    assert options.resolve({})["accuracy"] == 0.02
+    monkeypatch.setenv("EQUARX_MPI_ACCURACY", "exact")
+    assert options.resolve({})["accuracy"] == "exact"
+
+
+# --- tune ------------------------------------------------------------------------
+def test_tune_quick_at_two_ranks(tmp_path):
+    """`mpirun -n 2 python -m equarx_mpi.tune --quick` writes a profile that
+    QuantizedComm's search accepts (a few seconds)."""
+    out = tmp_path / "p.json"
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+    p = subprocess.Popen([mpirun, "-n", "2", sys.executable, "-m", "equarx_mpi.tune",
+                          "--quick", "--output", str(out)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = p.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("tune hung")
+    assert p.returncode == 0, err
+    assert "layout 1x2" in err and "saved" in err
+    prof = profiles.load(out)
+    lay = prof["layouts"]["1x2"]
+    assert set(lay["times"]) == {"mpi", "shm", "ring", "two_shot"}
+    assert all(t > 0 for ts in lay["times"].values() for t in ts)
+    assert prof["machine"]["ranks"] == 2
+    env[profiles.ENV] = str(out)
+    got = subprocess.run([sys.executable, "-c", "from equarx_mpi import profiles; "
+                          "print(profiles.find_profile()[1])"], env=env, text=True,
+                         capture_output=True, timeout=120)
+    assert got.stdout.strip() == str(out), got.stderr
