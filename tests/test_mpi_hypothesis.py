@@ -80,11 +80,11 @@ EXACT_METHODS = ("copy", "mpi", "shm")
 def cases(draw, algorithm, wire):
     block = draw(st.sampled_from(BLOCKS))
     B = block or formats.default_block(wire)
-    what = draw(st.sampled_from(("Allreduce", "Reduce_scatter_block", "Allgather")))
+    what = draw(st.sampled_from(("Allreduce", "Allreduce", "Reduce_scatter_block", "Allgather")))
     k = min(draw(st.integers(1, 4)), MAX_N // (B * P))        # around k blocks per rank
     n = draw(st.one_of(st.integers(0, 3), st.integers(4, 700),
                        st.integers(-2, 2).map(lambda d: max(0, k * B * P + d)),
-                       st.integers(700, MAX_N)))
+                       st.integers(700, MAX_N), st.integers(700, MAX_N)))
     mm = draw(st.sampled_from((None, None, 1, 3)))
     return dict(
         algorithm=algorithm, wire=wire, block=block, what=what, n=n,
