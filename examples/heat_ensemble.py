@@ -213,7 +213,7 @@ def report(res):
         f"variance up to {res['exact_var_max']:.3g} K^2",
         "# errors of the last reduction vs float64 two-pass exact; 'of anomaly' = relative to "
         "mean - T0; heat = sum of the mean field ('of added': relative to the heat the "
-        "sources added); bound = the library's certified bound (n/a: not reported yet)"]
+        "sources added); bound = the library's certified bound on max abs (n/a: plain MPI reports none)"]
     head = ("method", "mode", "allreduce[ms]", "total[ms]", "mean rel L2", "of anomaly",
             "mean max abs[K]", "bound[K]", "var rel L2", "var max abs[K^2]", "var bound",
             "heat rel err", "of added")
