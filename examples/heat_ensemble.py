@@ -120,8 +120,8 @@ def ensemble_stats(fields, reduce, M, dtype, ref=None, bound=lambda: None):
     var = q.astype(np.float64) / M - m * m
     bounds = None
     if b_s is not None and b_q is not None:
-        # Assumes last_error_bound bounds the max abs error of the returned sum;
-        # propagated through mean = S/M and var = Q/M - (S/M)^2.
+        # last_error_bound bounds the max abs error of the returned sum;
+        # propagated through mean = S/M and var = Q/M - (S/M)^2 (float64 here).
         dm = float(np.max(b_s)) / M
         bounds = (dm, float(np.max(b_q)) / M + float(np.max((2 * np.abs(m) + dm) * dm)))
     return shift + m, var, seconds, bounds
@@ -156,7 +156,7 @@ def run(comm, cfg, names, modes, dtype):
     with Reducers(comm, names) as reducers:
         def bound_of(n):
             qc = reducers.qc(n)
-            # Hook for the library's certified bound (a later version sets it).
+            # the certified bound of the call just made (None for plain MPI)
             return lambda: getattr(qc, "last_error_bound", None) if qc is not None else None
 
         for n in names:                     # warm-up: kernels compile on first use
@@ -213,7 +213,7 @@ def report(res):
         f"variance up to {res['exact_var_max']:.3g} K^2",
         "# errors of the last reduction vs float64 two-pass exact; 'of anomaly' = relative to "
         "mean - T0; heat = sum of the mean field ('of added': relative to the heat the "
-        "sources added); bound = the library's certified bound (n/a: not reported yet)"]
+        "sources added); bound = the library's certified bound on max abs (n/a: plain MPI reports none)"]
     head = ("method", "mode", "allreduce[ms]", "total[ms]", "mean rel L2", "of anomaly",
             "mean max abs[K]", "bound[K]", "var rel L2", "var max abs[K^2]", "var bound",
             "heat rel err", "of added")

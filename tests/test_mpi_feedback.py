@@ -124,7 +124,7 @@ def test_running_sum_stays_within_the_last_residuals(case):
 
 
 def test_bitwise_reproducible_and_identical_on_ranks():
-    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    r = WORLD.Get_rank()
     x = biased(3000, np.float32, r)
 
     def run():
@@ -168,7 +168,7 @@ def test_reset_shape_and_dtype():
 
 
 def test_errors_raise_on_every_rank():
-    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    r = WORLD.Get_rank()
     x = biased(1000, np.float32, r)
     with QuantizedComm(WORLD, min_quantized_bytes=0) as qc:
         # only rank 0's ErrorFeedback is bound to another shape
@@ -263,7 +263,7 @@ def test_bound_holds_against_the_callers_values(opts, dtype):
     values moved), per value and per block, identical on every rank."""
     from fractions import Fraction
     dtype = np.dtype(dtype) if dtype != "bfloat16" else np.dtype(__import__("ml_dtypes").bfloat16)
-    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    r = WORLD.Get_rank()
     ef = ErrorFeedback()
     with QuantizedComm(WORLD, **{"min_quantized_bytes": 0, **opts}) as qc:
         for t in range(4):

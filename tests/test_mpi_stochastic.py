@@ -145,7 +145,7 @@ def test_reproducible_and_independent_of_pieces(path):
 def _mean_error_rms(rounding, calls):
     """RMS over values of the mean error of the first t results, for t in
     calls; every input value 0.3 of a step above a code (a = 1 per block)."""
-    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    r = WORLD.Get_rank()
     n, block = 4096, 256
     rng = np.random.default_rng(r)
     x = ((rng.integers(-120, 120, n) + 0.3) / 127).astype(np.float32)

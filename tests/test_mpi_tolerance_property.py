@@ -13,7 +13,7 @@ verdict is combined across ranks before it is asserted, so a failure (and
 hypothesis' shrinking of it) happens on every rank alike.
 
     mpirun -n 4 python -m pytest --with-mpi tests/test_mpi_tolerance_property.py
-    EQUARX_MPI_PROPERTY_CASES=3000 mpirun -n 4 ...     # thousands of cases
+    EQUARX_MPI_HYPOTHESIS_CASES=3000 mpirun -n 4 ...   # thousands of cases
 """
 import os
 
@@ -32,7 +32,7 @@ from test_mpi_bound import exact_error
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()
-CASES = int(os.environ.get("EQUARX_MPI_PROPERTY_CASES", "150"))
+CASES = int(os.environ.get("EQUARX_MPI_HYPOTHESIS_CASES", "150"))
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
 KINDS = ["normal", "outliers", "ranks", "cancel", "constant", "subnormal", "limits",
          "nonfinite", "smooth"]
