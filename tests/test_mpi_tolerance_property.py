@@ -8,18 +8,20 @@ or the call's ``last_error_bound`` is at most its tolerance and no finite
 result value is further than that bound from the exact sum (math.fsum),
 the same on every rank.
 
-Every rank draws the same examples (derandomize, no database) and every
-verdict is combined across ranks before it is asserted, so a failure (and
-hypothesis' shrinking of it) happens on every rank alike.
+Rank 0 runs hypothesis (derandomized, no database): it draws each case
+and broadcasts it, every rank runs it, and the verdicts are combined, so
+a failure (and hypothesis' shrinking of it, on rank 0) happens on every
+rank alike (the pattern of test_mpi_hypothesis.py).
 
     mpirun -n 4 python -m pytest --with-mpi tests/test_mpi_tolerance_property.py
-    EQUARX_MPI_HYPOTHESIS_CASES=3000 mpirun -n 4 ...   # thousands of cases
+    EQUARX_MPI_HYPOTHESIS_CASES=3000 mpirun -n 4 ... -s   # thousands; -s: counts
 """
+import collections
 import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
@@ -86,15 +88,13 @@ def inputs(kind, seed, n, dt, block):
     return xs
 
 
-@settings(derandomize=True, database=None, deadline=None, max_examples=CASES,
-          suppress_health_check=list(HealthCheck))
-@given(m=st.integers(1, 700), dt=st.sampled_from(DTYPES), block=st.sampled_from([32, 64, 256]),
-       mode=st.sampled_from(["abs_tol", "rel_tol"]), tol=st.sampled_from(TOLS),
-       kind=st.sampled_from(KINDS), seed=st.integers(0, 2 ** 31),
-       what=st.sampled_from(["Allreduce", "Reduce_scatter_block"]), in_place=st.booleans())
-def test_error_bounded_mode_property(m, dt, block, mode, tol, kind, seed, what, in_place):
+def run_case(c):
+    """Every rank runs case c; (failure in words or None, what happened),
+    the same on every rank (the verdicts are combined)."""
+    m, dt, block, mode, tol = c["m"], c["dt"], c["block"], c["mode"], c["tol"]
+    kind, what, in_place = c["kind"], c["what"], c["in_place"]
     n = m * P
-    xs = inputs(kind, seed, n, dt, block)
+    xs = inputs(kind, c["seed"], n, dt, block)
     qc = qcomm(mode, tol, block)
     try:
         if what == "Allreduce":
@@ -110,14 +110,13 @@ def test_error_bounded_mode_property(m, dt, block, mode, tol, kind, seed, what, 
         got = None
     except ValueError as e:
         got = str(e)
-    everyone = WORLD.allgather(got)
-    everywhere(len(set(everyone)) == 1, f"the same outcome on every rank: {everyone}")
     desc = (what, dt.name, kind, mode, tol, block, m, in_place)
+    everyone = WORLD.allgather(got)
+    if len(set(everyone)) != 1:
+        return f"{desc}: outcomes differ between ranks: {everyone}", "?"
     if got is not None:
-        everywhere(P > 1 and ("need " + mode in got or "overflow" in got), f"{desc}: {got}")
-        event("refused: too fine")
-        return
-    event(f"ran: {qc.last_call.method}")   # --hypothesis-show-statistics counts them
+        ok = P > 1 and ("need " + mode in got or "overflow" in got)
+        return (None if ok else f"{desc}: {got}"), "refused: too fine"
     fin = np.abs(np.array(xs, np.float64))
     M = float(fin[np.isfinite(fin)].max(initial=0.0))
     limit = tol if mode == "abs_tol" else tol * M
@@ -125,9 +124,50 @@ def test_error_bounded_mode_property(m, dt, block, mode, tol, kind, seed, what, 
     err = exact_error(out, parts, "sum")
     seen = err[~np.isnan(err)]
     worst = float(seen.max()) if seen.size else 0.0
-    everywhere(b <= limit and worst <= b, f"{desc}: error {worst} <= bound {b} <= tol {limit}")
-    everywhere(len(set(WORLD.allgather(np.float64(b).tobytes()))) == 1,
-               f"{desc}: the same bound on every rank")
+    mine = None if b <= limit and worst <= b else f"error {worst} <= bound {b} <= tol {limit}"
+    verdicts = WORLD.allgather((mine, np.float64(b).tobytes()))
+    bad = [(r, v) for r, (v, _) in enumerate(verdicts) if v]
+    if len({bits for _, bits in verdicts}) != 1:
+        bad.append(("bound", "differs between ranks"))
+    return (f"{desc}: {bad[:3]}" if bad else None), f"ran: {qc.last_call.method}"
+
+
+def draw_and_run():
+    """Rank 0: hypothesis draws each case and sends it to every rank, then
+    None (stop); the failure in words, or None.  Only rank 0 draws:
+    hypothesis' choices may depend on time (health checks, shrinking), so
+    ranks drawing alike from derandomize alone diverged."""
+    @settings(derandomize=True, database=None, deadline=None, max_examples=CASES,
+              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @given(m=st.integers(1, 700), dt=st.sampled_from(DTYPES),
+           block=st.sampled_from([32, 64, 256]), mode=st.sampled_from(["abs_tol", "rel_tol"]),
+           tol=st.sampled_from(TOLS), kind=st.sampled_from(KINDS), seed=st.integers(0, 2 ** 31),
+           what=st.sampled_from(["Allreduce", "Reduce_scatter_block"]), in_place=st.booleans())
+    def prop(**c):
+        WORLD.bcast(c)
+        failed, happened = run_case(c)
+        seen[happened] += 1
+        assert failed is None, failed
+    seen = collections.Counter()
+    try:
+        prop()
+        return None
+    except Exception as e:              # noqa: BLE001 - every rank learns it
+        return f"{type(e).__name__}: {e}"
+    finally:
+        WORLD.bcast(None)
+        print(f"cases at {P} ranks: {dict(seen)}", flush=True)     # with -s
+
+
+def test_error_bounded_mode_property():
+    if RANK == 0:
+        failure = draw_and_run()
+    else:
+        while (c := WORLD.bcast(None)) is not None:
+            run_case(c)
+        failure = None
+    failure = WORLD.bcast(failure)
+    everywhere(failure is None, f"rank 0's hypothesis run: {failure}")
 
 
 def teardown_module():
