@@ -24,3 +24,25 @@ def raises_everywhere(exc_type, fn, match=None, comm=WORLD):
     if match:
         assert match in everyone[0][1], everyone[0][1]
     return everyone[0][1]
+
+
+def rank0_draws(prop, run_case, comm=WORLD):
+    """A hypothesis test under mpirun: rank 0 runs ``prop``, which must
+    broadcast each drawn case before running it; the other ranks run the
+    cases that arrive (``run_case(case)``) until None.  Only rank 0 draws:
+    hypothesis' choices may depend on time (health checks, shrinking), so
+    ranks drawing alike would diverge.  Returns rank 0's failure in words,
+    or None, on every rank."""
+    if comm.Get_rank() == 0:
+        try:
+            prop()
+            failure = None
+        except Exception as e:              # noqa: BLE001 - every rank learns it
+            failure = f"{type(e).__name__}: {e}"
+        finally:
+            comm.bcast(None)
+    else:
+        while (c := comm.bcast(None)) is not None:
+            run_case(c)
+        failure = None
+    return comm.bcast(failure)

@@ -45,7 +45,7 @@ from mpi4py import MPI
 from equarx_mpi import QuantizedComm, formats
 
 from exact_check import errors_above
-from mpi_helpers import everywhere
+from mpi_helpers import everywhere, rank0_draws
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
@@ -337,9 +337,9 @@ def run_case(comms, tally, c):
     return failed
 
 
-def draw_and_run(comms, tally, path):
-    """Rank 0: hypothesis draws the cases, sends each to every rank and
-    runs it; then None (stop).  The failure, in words, or None."""
+def drawn(comms, tally, path):
+    """Rank 0's hypothesis test: it draws the cases, sends each to every
+    rank and runs it (mpi_helpers.rank0_draws)."""
     @settings(max_examples=max(1, round(CASES * PATHS[path])),
               derandomize=SEED is None, database=None, deadline=None,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False,
@@ -349,28 +349,14 @@ def draw_and_run(comms, tally, path):
         WORLD.bcast(c)
         failed = run_case(comms, tally, c)
         assert not failed, f"case {c}: " + "; ".join(failed[:6])
-    if SEED is not None:
-        prop = seed(int(SEED))(prop)
-    try:
-        prop()
-        return None
-    except Exception as e:                  # noqa: BLE001 - every rank learns it
-        return f"{type(e).__name__}: {e}"
-    finally:
-        WORLD.bcast(None)
+    return prop if SEED is None else seed(int(SEED))(prop)
 
 
 @pytest.mark.parametrize("path", PATHS, ids="/".join)
 def test_bound_holds_on_drawn_cases(path):
     comms, tally = Comms(), Tally()
     try:
-        if RANK == 0:
-            failure = draw_and_run(comms, tally, path)
-        else:
-            while (c := WORLD.bcast(None)) is not None:
-                run_case(comms, tally, c)
-            failure = None
-        failure = WORLD.bcast(failure)
+        failure = rank0_draws(drawn(comms, tally, path), lambda c: run_case(comms, tally, c))
     finally:
         comms.free()
     if RANK == 0:

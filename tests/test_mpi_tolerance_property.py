@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from equarx_mpi import QuantizedComm
 
-from mpi_helpers import everywhere
+from mpi_helpers import everywhere, rank0_draws
 from reference import BF16
 from test_mpi_bound import exact_error
 
@@ -132,11 +132,9 @@ def run_case(c):
     return (f"{desc}: {bad[:3]}" if bad else None), f"ran: {qc.last_call.method}"
 
 
-def draw_and_run():
-    """Rank 0: hypothesis draws each case and sends it to every rank, then
-    None (stop); the failure in words, or None.  Only rank 0 draws:
-    hypothesis' choices may depend on time (health checks, shrinking), so
-    ranks drawing alike from derandomize alone diverged."""
+def drawn(seen):
+    """Rank 0's hypothesis test: it draws each case, sends it to every rank
+    and runs it (mpi_helpers.rank0_draws); ``seen`` counts what happened."""
     @settings(derandomize=True, database=None, deadline=None, max_examples=CASES,
               suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @given(m=st.integers(1, 700), dt=st.sampled_from(DTYPES),
@@ -148,25 +146,14 @@ def draw_and_run():
         failed, happened = run_case(c)
         seen[happened] += 1
         assert failed is None, failed
-    seen = collections.Counter()
-    try:
-        prop()
-        return None
-    except Exception as e:              # noqa: BLE001 - every rank learns it
-        return f"{type(e).__name__}: {e}"
-    finally:
-        WORLD.bcast(None)
-        print(f"cases at {P} ranks: {dict(seen)}", flush=True)     # with -s
+    return prop
 
 
 def test_error_bounded_mode_property():
+    seen = collections.Counter()
+    failure = rank0_draws(drawn(seen), run_case)
     if RANK == 0:
-        failure = draw_and_run()
-    else:
-        while (c := WORLD.bcast(None)) is not None:
-            run_case(c)
-        failure = None
-    failure = WORLD.bcast(failure)
+        print(f"cases at {P} ranks: {dict(seen)}", flush=True)     # with -s
     everywhere(failure is None, f"rank 0's hypothesis run: {failure}")
 
 
