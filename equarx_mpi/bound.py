@@ -28,6 +28,8 @@ import ml_dtypes
 import numpy as np
 from numba import njit
 
+from .kernels.common import mag_bits, mag_limits, mag_value
+
 #: bytes of the trailer at the end of every message: float64 (pre, total, mag)
 TRAILER = 24
 SLACK = 1 + 2.0 ** -32
@@ -40,11 +42,6 @@ ROUNDING = {np.dtype(np.float64): (2.0 ** -53, 2.0 ** -1074),   # 2^-1075 is 0 i
             np.dtype(np.float32): (2.0 ** -24, 2.0 ** -150),
             np.dtype(np.int16): (2.0 ** -11, 2.0 ** -25),
             np.dtype(np.uint16): (2.0 ** -8, 2.0 ** -134)}
-#: kernel element type -> (the value type, its magnitude-bits type, the bits of Inf)
-_BITS = {np.dtype(np.float64): (np.dtype(np.float64), np.uint64, 0x7FF0000000000000),
-         np.dtype(np.float32): (np.dtype(np.float32), np.uint32, 0x7F800000),
-         np.dtype(np.int16): (np.dtype(np.float16), np.uint16, 0x7C00),
-         np.dtype(np.uint16): (BF16, np.uint16, 0x7F80)}
 #: kernel element type -> the smallest magnitude that rounds to Inf in it
 #: (kernels.common.out_limit): decodes leave blocks reaching it to MPI
 OUT_LIMIT = {np.dtype(np.int16): 65520.0,
@@ -80,32 +77,26 @@ def gamma(k, u):
 # --- the largest magnitude of values, in one pass ---------------------------------
 
 @njit(cache=True, nogil=True)
-def _block_absmax(bits, block, mask, inf, finite_only, out):
-    """out[b] = the largest magnitude bits (bits & mask) of block b of
-    ``bits``: of its finite values only, or with any Inf or NaN counted as
-    Inf.  Magnitude bits order like magnitudes, so this is integer work
-    that vectorizes."""
-    n = bits.size
-    mx0 = mask ^ mask                   # a zero of the bits type (mask & 0 would be int64)
+def _block_absmax(values, block, finite_only, out):
+    """out[b] = the largest magnitude in block b of ``values`` (a kernel
+    view): of its finite values only, or Inf if it holds Inf or NaN.  On
+    the magnitudes' bits, which order like the magnitudes: an integer max()
+    vectorizes; a block holding Inf or NaN (rare) is scanned again."""
+    zero, inf = mag_limits(values)
+    n = values.size
     for b in range(out.size):
         lo = b * block
         hi = min(lo + block, n)
-        mx = mx0
-        # comparisons, not max()/min(): numba may take those of two uint64
-        # through float64, which rounds the bits of float64's largest values
-        if finite_only:
+        mx = zero
+        for i in range(lo, hi):
+            mx = max(mx, mag_bits(values, _U(i)))
+        if mx >= inf and finite_only:
+            mx = zero
             for i in range(lo, hi):
-                x = bits[_U(i)] & mask
-                if x > mx and x < inf:
+                x = mag_bits(values, _U(i))
+                if x < inf and x > mx:
                     mx = x
-        else:
-            for i in range(lo, hi):
-                x = bits[_U(i)] & mask
-                if x > mx:
-                    mx = x
-            if mx > inf:
-                mx = inf
-        out[b] = mx
+        out[b] = np.inf if mx >= inf else mag_value(values, mx)
 
 
 def block_magnitudes(values, block, finite_only=False):
@@ -113,13 +104,10 @@ def block_magnitudes(values, block, finite_only=False):
     the int16/uint16 bits of float16/bfloat16): the largest magnitude, as
     float64; blocks holding Inf or NaN give Inf (or, finite_only, the
     largest finite magnitude)."""
-    vt, bt, inf = _BITS[values.dtype]
-    out = np.empty(-(-values.size // block), bt)
+    out = np.empty(-(-values.size // block), np.float64)
     if out.size:
-        width = np.dtype(bt).itemsize * 8
-        _block_absmax(values.view(bt), block, bt((1 << (width - 1)) - 1), bt(inf),
-                      finite_only, out)
-    return out.view(vt).astype(np.float64)
+        _block_absmax(values, block, finite_only, out)
+    return out
 
 
 def largest(values, finite_only=True):
@@ -132,7 +120,7 @@ def largest(values, finite_only=True):
 def warm():
     """Compile (or load from numba's cache) the magnitude pass for every
     kernel element type."""
-    for kd in _BITS:
+    for kd in ROUNDING:
         x = np.zeros(3, kd)
         block_magnitudes(x, 2, True)
         block_magnitudes(x, 2, False)

@@ -263,8 +263,11 @@ class QuantizedComm:
         tolerant = self._tolerant and nbytes and exact.sums_floats(what, name, dtype, P)
         if tolerant and later and err is None:
             err = ValueError(tolerance.NOT_PERSISTENT)
-        needs_most = (method in policy.EXACT or tolerant) and exact.sums_floats(what, name,
-                                                                                 dtype, P)
+        # the window finds it on the way (shm.py), as long as no rank's
+        # input moved (feedback)
+        window_most = method == "shm" and feedback is None and not tolerant
+        needs_most = ((method in policy.EXACT and not window_most) or tolerant) and \
+            exact.sums_floats(what, name, dtype, P)
         most = None
         if needs_most and self.check and not later and nbytes:
             most = exact.largest(recv if send is None else send)
@@ -277,7 +280,8 @@ class QuantizedComm:
         if tolerant:          # check=False: its own 8-byte MAX Allreduce finds M
             most = tolerance.settle(self.options, c, P, most, self._ctl)
         if c.method in policy.EXACT and c.bound is None and not (needs_most and later
-                                                                    and self.check):
+                                                                    and self.check) \
+                and not (window_most and exact.sums_floats(what, name, dtype, P)):
             c.bound = exact.error_bound(what, name, dtype, P, most) if nbytes else 0.0
         return c
 
@@ -315,10 +319,14 @@ class QuantizedComm:
                                             self._comm.sent - sent0, time.perf_counter() - t0,
                                             err), rec)
         err = c.bound
-        if err is None:       # values known only now (persistent, feedback)
+        # values known only now (persistent, feedback); the window finds
+        # them itself unless inputs moved
+        if err is None and (c.method != "shm" or c.feedback is not None):
             err = exact.bound_now(self._comm, c.what, c.name, c.send, c.recv, e_own)
         if c.method == "shm":
-            self._window().allreduce(c.send, c.recv, c.op)
+            most = self._window().allreduce(c.send, c.recv, c.op)
+            if err is None:
+                err = exact.error_bound(c.what, c.name, c.recv.dtype, P, most)
         elif P == 1:
             if c.send is not None:
                 c.recv[...] = c.send

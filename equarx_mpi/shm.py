@@ -13,7 +13,7 @@ and bfloat16 and rounded once: bitwise the same on every rank and every call.
 Window layout: one allocation by node rank 0 (so the layout is ours, not the
 MPI library's), cut into P slots of ``stride`` bytes, slot k for rank k:
 
-    [ data: cap bytes | result: rcap bytes | one-shot area 0 | one-shot area 1 ]
+    [ data: cap bytes | result: rcap bytes | one-shot area 0 | one-shot area 1 | magnitude ]
 
 Two-phase schedule (messages above ONESHOT_BYTES):
   reduce_scatter: rank k copies its input, all but its own slice, into its
@@ -24,7 +24,12 @@ Two-phase schedule (messages above ONESHOT_BYTES):
 Nothing else needs a barrier: data slots are read only between the two
 syncs of a call, and result regions are written only after the first sync
 of the next call, which no rank passes before every rank has finished
-copying out.  Slices are whole 64-byte lines, so no two ranks write one line.
+copying out.  A SUM's kernels also find the largest finite input magnitude
+of their slice (the exact sum's error bound needs it); each rank writes its
+slice's into its magnitude line with its result, and reads every rank's
+after the second sync, so allreduce returns the largest over all inputs
+with no extra pass or message.  The one-shot schedule reads every input
+and finds it alone.  Slices are whole 64-byte lines, so no two ranks write one line.
 
 One-shot schedule (small messages, latency-bound): copy in to one-shot area
 (call count mod 2); sync; every rank reduces the whole message itself.  One
@@ -140,7 +145,7 @@ class ShmAllreduce:
         self._lent = False      # whether empty() handed out part of the current one
         self._lent_bytes = 0    # its size; other inputs are copied in after it
         self.cap = self._rcap = self._stride = 0
-        self._views = {}        # dtype -> flat array over the window
+        self._views = {}        # dtype -> flat array over the window; "magnitudes"
         self._plans = {}        # message shape -> views (see _plan)
         self._acc = {d: np.empty(SK.TILE, d) for d in (np.dtype(np.float32), np.dtype(np.float64))}
         self._oneshots = 0
@@ -175,7 +180,7 @@ class ShmAllreduce:
         # Result regions hold one slice in the accumulation type: at most
         # twice the bytes of a slice (16-bit input, float32 results).
         rcap = 2 * LINE * -(-(cap // LINE) // self.P)
-        stride = cap + rcap + 2 * _round_up(self.oneshot_bytes, LINE)
+        stride = cap + rcap + 2 * _round_up(self.oneshot_bytes, LINE) + LINE
         win = MPI.Win.Allocate_shared(self.P * stride + LINE if self.rank == 0 else 0, 1,
                                       comm=self.comm)
         mem, _ = win.Shared_query(0)
@@ -242,16 +247,16 @@ class ShmAllreduce:
 
     def allreduce(self, send, recv, op=MPI.SUM):
         """recv = reduction of every rank's send (send None or MPI.IN_PLACE:
-        recv's values, overwritten)."""
+        recv's values, overwritten).  Returns, for SUM, the largest finite
+        magnitude among every rank's input (0.0 for MAX and MIN)."""
         src, out, kop = self._check("allreduce", send, recv, op)
         n = out.size
         if n == 0:
-            return
+            return 0.0
         if out.nbytes <= self.oneshot_bytes:
-            self._oneshot(src, out, kop)
-        else:
-            self._reduce_scatter(src, kop, False, out)
-            self._allgather(out, skip_own=True)
+            return self._oneshot(src, out, kop)
+        self._reduce_scatter(src, kop, False, out)
+        return self._allgather(out, skip_own=True)
 
     def reduce_scatter(self, send, op=MPI.SUM, keep_acc=False):
         """First half: returns this rank's reduced slice (bounds(n, dtype)),
@@ -329,14 +334,23 @@ class ShmAllreduce:
         self._warmed.add(kd)
 
     def _reduce(self, win, stride, own, lo, hi, kop, out, out2):
-        """Slice [lo, hi) of every slot, this rank's read from own."""
+        """Slice [lo, hi) of every slot, this rank's read from own; returns
+        the largest finite magnitude read (SUM)."""
         if self.P == 2:
             x0, b0, x1, b1 = ((own, lo, win, stride + lo) if self.rank == 0
                               else (win, lo, own, lo))
-            SK.reduce_pair(x0, b0, x1, b1, hi - lo, kop, out, out2)
-        else:
-            acc = self._acc[_ACC_OF_KERNEL[win.dtype]]
-            SK.reduce_slots(win, stride, self.P, self.rank, own, lo, hi, kop, acc, out, out2)
+            return SK.reduce_pair(x0, b0, x1, b1, hi - lo, kop, out, out2)
+        acc = self._acc[_ACC_OF_KERNEL[win.dtype]]
+        return SK.reduce_slots(win, stride, self.P, self.rank, own, lo, hi, kop, acc, out, out2)
+
+    def _magnitudes(self):
+        """Every rank's magnitude line, as float64 (one value per slot)."""
+        m = self._views.get("magnitudes")
+        if m is None:
+            v = self._view(np.dtype(np.float64))
+            step, first = self._stride // 8, (self._stride - LINE) // 8
+            m = self._views["magnitudes"] = v[first::step][:self.P]
+        return m
 
     def _plan(self, n, kd, rd, base):
         """Views of the two-phase schedule for n values of kernel type kd
@@ -377,8 +391,8 @@ class ShmAllreduce:
             np.copyto(slot[:lo], src[:lo])
             np.copyto(slot[hi:], src[hi:])
         self._sync()
-        self._reduce(win, stride, src, lo, hi, kop, res,
-                     win[:0] if own_out is None else own_out[lo:hi])
+        self._magnitudes()[self.rank] = self._reduce(
+            win, stride, src, lo, hi, kop, res, win[:0] if own_out is None else own_out[lo:hi])
         self._pending = (n, kd, rd, base)
         return res
 
@@ -394,6 +408,7 @@ class ShmAllreduce:
                 np.copyto(out[lo:hi], res)
             else:
                 SK.convert(res, out[lo:hi])
+        return float(self._magnitudes().max())
 
     def _oneshot(self, src, out, kop):
         n, kd = src.size, src.dtype
@@ -414,7 +429,7 @@ class ShmAllreduce:
         self._oneshots += 1
         np.copyto(area, src)
         self._sync()
-        self._reduce(win, stride, src, 0, n, kop, out, win[:0])
+        return self._reduce(win, stride, src, 0, n, kop, out, win[:0])
 
 
 def _readonly(a):

@@ -14,11 +14,16 @@ float32 otherwise) and rounded once to the output type (to nearest even).
 The order is fixed, so every rank, every call and every slicing of the work
 gives the same bits; MAX and MIN keep a NaN from either side, as numpy's
 maximum and minimum do.
+
+For SUM the reductions also return the largest finite magnitude among the
+values they read (as float64, 0.0 for MAX and MIN): the exact sum's error
+bound needs it, and finding it here, on tiles still in L1, saves a pass
+over the caller's memory.
 """
 import numpy as np
 from numba import njit
 
-from .kernels.common import OP_SUM, load, reduce2, store
+from .kernels.common import OP_SUM, load, mag_bits, mag_limits, mag_value, reduce2, store
 
 _CACHE = dict(cache=True, nogil=True)
 #: Values per tile of the fused reduction: the accumulator of one tile stays
@@ -49,12 +54,32 @@ def _store_tile(acc, out, o, m):
 
 
 @njit(**_CACHE)
+def _absmax_tile(src, b, m, mx):
+    """The largest of mx and the finite magnitudes of src[b:b+m], as
+    float64.  On the magnitudes' bits: an integer maximum vectorizes, a
+    float one that must skip NaN does not; a tile holding Inf or NaN is
+    scanned again without them."""
+    zero, inf = mag_limits(src)
+    best = zero
+    for j in range(m):
+        best = max(best, mag_bits(src, b + np.uint64(j)))
+    if best >= inf:
+        best = zero
+        for j in range(m):
+            x = mag_bits(src, b + np.uint64(j))
+            if x < inf and x > best:
+                best = x
+    v = mag_value(src, best)
+    return v if v > mx else mx
+
+
+@njit(**_CACHE)
 def reduce_slots(win, stride, P, me, own, lo, hi, op, acc, out, out2):
     """out[:hi-lo] = the reduction over k = 0..P-1, in that order, of slot
     k's values [lo, hi): win[k*stride + lo : k*stride + hi], except that slot
     ``me`` is read from own[lo:hi] (the caller's own input, which then need
     not be copied into the window; me = -1: none).  The same into out2
-    unless out2 is empty.
+    unless out2 is empty.  Returns the largest finite magnitude read (SUM).
 
     acc is scratch in the accumulation type (its size is the tile).  Each
     tile is read once from every slot and written once: one pass over
@@ -62,29 +87,37 @@ def reduce_slots(win, stride, P, me, own, lo, hi, op, acc, out, out2):
     Indices are uint64 so that numba skips negative-index wraparound (which
     turns vector loads into gathers)."""
     T = acc.size
+    mx = 0.0
     for t0 in range(lo, hi, T):
         m = min(T, hi - t0)
         b = np.uint64(t0)
         if me == 0:
             _load_tile(acc, own, b, m)
+            if op == OP_SUM:
+                mx = _absmax_tile(own, b, m, mx)
         else:
             _load_tile(acc, win, b, m)
+            if op == OP_SUM:
+                mx = _absmax_tile(win, b, m, mx)
         for k in range(1, P):
-            if k == me:
-                _reduce_tile(acc, own, b, m, op)
-            else:
-                _reduce_tile(acc, win, b + np.uint64(k * stride), m, op)
+            src, sb = (own, b) if k == me else (win, b + np.uint64(k * stride))
+            _reduce_tile(acc, src, sb, m, op)
+            if op == OP_SUM:
+                mx = _absmax_tile(src, sb, m, mx)
         _store_tile(acc, out, np.uint64(t0 - lo), m)
         if out2.size > 0:
             _store_tile(acc, out2, np.uint64(t0 - lo), m)
+    return mx
 
 
 @njit(**_CACHE)
 def reduce_pair(x0, b0, x1, b1, m, op, out, out2):
     """out[:m] = x0[b0:b0+m] op x1[b1:b1+m] (P = 2: no accumulator), and the
-    same into out2 unless it is empty.  The copy to out2 is a loop of its
+    same into out2 unless it is empty; returns the largest finite magnitude
+    read (SUM).  The copy to out2 is a loop of its
     own over the tile just written (still in L1): one loop storing to both
     arrays ran 3-4x slower."""
+    mx = 0.0
     for t0 in range(0, m, TILE):
         tm = min(TILE, m - t0)
         i0 = np.uint64(b0 + t0)
@@ -94,6 +127,7 @@ def reduce_pair(x0, b0, x1, b1, m, op, out, out2):
             for j in range(tm):
                 u = np.uint64(j)
                 store(out, o + u, load(x0, i0 + u) + load(x1, i1 + u))
+            mx = _absmax_tile(x1, i1, tm, _absmax_tile(x0, i0, tm, mx))
         else:
             for j in range(tm):
                 u = np.uint64(j)
@@ -101,6 +135,7 @@ def reduce_pair(x0, b0, x1, b1, m, op, out, out2):
         if out2.size > 0:
             for j in range(tm):
                 out2[o + np.uint64(j)] = out[o + np.uint64(j)]
+    return mx
 
 
 @njit(**_CACHE)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from equarx_mpi.exact import largest
 from equarx_mpi.shm import FAKE_NODES_ENV, ShmAllreduce, parse_nodes, split_nodes
 
 from reference import BF16
@@ -107,6 +108,31 @@ def test_sum_matches_fixed_order_bitwise(shm, dtype, n):
 
 
 @pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", [5, 3000, 100003])
+def test_largest_magnitude_skips_inf_and_nan(shm, dtype, n):
+    """allreduce's return value, the largest finite input magnitude on any
+    rank (the exact sum's error bound rests on it), whichever rank and
+    whichever slice holds it, beside Inf and NaN; 0.0 for MAX."""
+    comm = shm.comm
+    P, r = comm.Get_size(), comm.Get_rank()
+    rng = np.random.default_rng(n)
+    big = float(np.finfo(dtype).max) if dtype != BF16 else 3.3e38
+    for trial in range(3):
+        xs = [(rng.standard_normal(n) * 0.5).astype(dtype) for _ in range(P)]
+        holder, at = int(rng.integers(P)), int(rng.integers(n))
+        xs[holder][at] = -big if trial == 1 else 1000.0
+        for k in range(P):
+            xs[k][int(rng.integers(n))] = [np.inf, -np.inf, np.nan][(trial + k) % 3]
+        want = max(float(np.abs(np.where(np.isfinite(x), x, 0).astype(np.float64)).max())
+                   for x in xs)
+        out = np.empty_like(xs[r])
+        got = shm.allreduce(xs[r], out)
+        everywhere(comm, got == want, f"largest magnitude {got} != {want}")
+        everywhere(comm, shm.allreduce(xs[r], out, MPI.MAX) == 0.0, "MAX returns 0.0")
+
+
+@pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
 def test_sum_large_odd_size(dtype):
     with ShmAllreduce(MPI.COMM_WORLD) as sh:
@@ -119,8 +145,9 @@ def check_sum(shm, dtype, n):
     xs = inputs(P, n, dtype, seed=n)
     xs[r].flags.writeable = False        # a read-only sendbuf is fine
     out = np.full_like(xs[r], 7)
-    shm.allreduce(xs[r], out)
+    most = shm.allreduce(xs[r], out)
     everywhere(comm, equal_bits(out, fixed_order(xs)), "equal to the fixed-order reference")
+    everywhere(comm, most == max(largest(x) for x in xs), "the largest finite input magnitude")
     same_on_all_ranks(comm, out)
     # in place, both spellings, and again: the same bits from call to call
     for send in (MPI.IN_PLACE, None):
