@@ -29,6 +29,8 @@ from .validate import BFLOAT16
 #: asks for, so a line may name options this version does not have yet.
 METHODS = {
     "mpi": ("mpi4py comm.Allreduce (exact)", None),
+    "mpi-lib": ("algorithm='mpi': MPI's Allreduce through the library (its checks and "
+                "error bound)", dict(algorithm="mpi")),
     "bf16": ("pipelined ring, bfloat16 on the wire",
              dict(wire="bf16", algorithm="ring", min_quantized_bytes=0)),
     "fp32": ("pipelined ring, float32 on the wire",
@@ -375,7 +377,27 @@ def _footer(rows, methods, say):
                 ratio = at_last[base]["time_us"]["avg"] / at_last["int8"]["time_us"]["avg"]
                 say(f"# speedup of int8 ({at_last['int8']['path']}) over {base} at "
                     f"{human(last)}: {ratio:.2f}x")
+    _auto_summary(rows, methods, say)
     say(f"# wrong results: {sum(r['wrong'] for r in rows)}")
+
+
+def _auto_summary(rows, methods, say):
+    """auto's time against the fastest single method at each size: among
+    the library's methods (which pay the same per-call checks), and among
+    every column (with mpi4py's own, which pays none)."""
+    singles = [m for m in methods if not m.startswith("auto") and m != "int8"]
+    if "auto" not in methods or not singles:
+        return
+    lib = [m for m in singles if m != "mpi"]
+    for name, pool in (("library methods", lib), ("every column", singles)):
+        if not pool:
+            continue
+        cells = []
+        for size in sorted({r["bytes"] for r in rows}):
+            t = {r["method"]: r["time_us"]["avg"] for r in rows if r["bytes"] == size}
+            best = min(pool, key=t.get)
+            cells.append(f"{human(size)} {t['auto'] / t[best] - 1:+.1%} ({best})")
+        say(f"# auto vs the fastest of {name} ({', '.join(pool)}): " + ", ".join(cells))
 
 
 def _write_files(args, rows, methods, P, dtype):
