@@ -155,7 +155,10 @@ def _lossy_candidates(opts, what, layout, model, feedback):
         cands = ["ring"]
         if wire in formats.MANY_INPUT_WIRES and what != "Allgather":
             cands.append("two_shot")
-        if what == "Allreduce" and layout.uniform and not layout.one_node and not feedback:
+        # with one rank per node it is two-shot plus a window step that
+        # sums nothing: never worth it
+        if what == "Allreduce" and layout.uniform and not layout.one_node and not feedback \
+                and layout.ranks_per_node > 1:
             cands.append("hierarchical")
         why = "auto"
     elif alg == "hierarchical" and not (what == "Allreduce" and layout.uniform

@@ -221,6 +221,17 @@ def test_accuracy_wins_near_ties():
             assert m.time("two_shot", n, 4) > m.time("ring", n, 4) * policy.LOSSY_MARGIN
 
 
+def test_auto_leaves_hierarchical_out_at_one_rank_per_node():
+    """With one rank per node the window step sums nothing: the emulated
+    4x1 cluster measured it slower than two-shot, which the model, never
+    corrected by a measurement there, did not see."""
+    for nodes in (2, 4, 64):
+        picks = {_choose(nodes, 1, n)[0][0] for n in SIZES}
+        assert "hierarchical" not in picks, (nodes, picks)
+    assert "hierarchical" in {_choose(4, 2, n)[0][0] for n in SIZES} | {
+        _choose(64, 8, n)[0][0] for n in SIZES}
+
+
 def test_auto_keeps_max_min_and_other_dtypes_exact():
     for n in SIZES:
         for op in ("max", "min"):
