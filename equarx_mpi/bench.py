@@ -394,9 +394,12 @@ def _auto_summary(rows, methods, say):
             continue
         cells = []
         for size in sorted({r["bytes"] for r in rows}):
-            t = {r["method"]: r["time_us"]["avg"] for r in rows if r["bytes"] == size}
+            at = {r["method"]: r for r in rows if r["bytes"] == size}
+            t = {m: r["time_us"]["avg"] for m, r in at.items()}
             best = min(pool, key=t.get)
-            cells.append(f"{human(size)} {t['auto'] / t[best] - 1:+.1%} ({best})")
+            same = " = its path" if best != "mpi" and at["auto"]["path"] == at[best]["path"] \
+                else ""
+            cells.append(f"{human(size)} {t['auto'] / t[best] - 1:+.1%} ({best}{same})")
         say(f"# auto vs the fastest of {name} ({', '.join(pool)}): " + ", ".join(cells))
 
 
