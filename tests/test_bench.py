@@ -85,7 +85,7 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
         assert r["time_us"]["min"] <= r["time_us"]["avg"] <= r["time_us"]["max"]
         # below 4 MiB the ring's defaults take exact MPI; the ablations never
         # do; hierarchical on one node is the ring; auto picks by the model
-        want = {"mpi": "exact", "int8": "exact", "int8-nocheck": "exact", "bf16": "ring/bf16",
+        want = {"mpi": "exact", "mpi-lib": "exact", "int8": "exact", "int8-nocheck": "exact", "bf16": "ring/bf16",
                 "fp32": "ring/fp32", "int4": "ring/int4", "fp8": "ring/fp8",
                 "int8-aff": "ring/int8-affine", "int4-aff": "ring/int4-affine",
                 "int8-2shot": "two_shot/int8", "shm": "shm",
@@ -94,6 +94,10 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
                     r["method"], "ring/int8")
         assert r["path"] in want if isinstance(want, tuple) else r["path"] == want, r
     assert [(c[3], c[4]) for c in table(stdout)] == [(r["method"], r["path"]) for r in rows]
+    # auto against the fastest single method, per size: library methods, then every column
+    lines = [l for l in stdout.splitlines() if l.startswith("# auto vs the fastest of")]
+    assert len(lines) == 2 and "mpi-lib" in lines[0] and "(mpi," not in lines[0], lines
+    assert all(l.count("%") == 3 for l in lines), lines
 
 
 def test_offset_data_shows_the_error_against_the_signal():
