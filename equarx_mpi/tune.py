@@ -328,7 +328,9 @@ def build_parser():
                    help="wires whose kernels are measured (default: --wire)")
     p.add_argument("--block", type=int, default=256)
     p.add_argument("--sizes", type=lambda t: _list(t, parse_size), default=None,
-                   metavar="S,S", help="message sizes per rank (default 16K,128K,1M,8M,64M)")
+                   metavar="S,S", help="message sizes per rank (default 16K,64K,256K,1M,4M,"
+                "16M,64M: the shared window's one-shot limit and the named algorithms' "
+                "crossover among them)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per size and method")
     return p
 
@@ -339,7 +341,8 @@ def _defaults(args):
     if args.wire not in args.wires:
         args.wires.insert(0, args.wire)
     args.sizes = args.sizes or ([64 << 10, 1 << 20] if q else
-                                [16 << 10, 128 << 10, 1 << 20, 8 << 20, 64 << 20])
+                                [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20,
+                                 64 << 20])
     args.iters = args.iters or (2 if q else 5)
     args.reps = 3 if q else 7
     args.busy = 0.05 if q else 0.3          # seconds of back-to-back calls
