@@ -124,7 +124,7 @@ class QuantizedComm:
         precise reduction of the inputs as given; the same float on every
         rank (for Reduce_scatter_block: over every rank's result).  0 where
         the result is exact (one rank, MAX, MIN, integers, Allgather
-        through MPI); Inf where none is known (an exact float SUM with
+        through MPI); Inf where none is known (an exact float SUM through MPI with
         check=False or through MPI's own persistent request, PROD).
         None before the first call.  docs/ERROR.md derives it."""
         info = self.last_call

@@ -228,6 +228,41 @@ def test_exact_methods_report_float_summation(algorithm):
             everywhere(0 < b <= 2 * P * P * u * 8, f"{what} {dt} bound {b}: MPI's summation")
 
 
+def test_shm_finds_the_magnitude_itself():
+    """The window's kernels find the largest input magnitude on the way, so
+    an shm SUM has the same bound as the agreed one, also with check=False
+    (where MPI's path has none), in both schedules (one-shot below 64 KiB)."""
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    for n in (1000, 100003):
+        x = np.random.default_rng(r).standard_normal(n).astype(np.float32)
+        x[(7 * r) % n] = 50.0 * (r + 1)          # the largest: on the last rank
+        x[(3 * r + 1) % n] = np.nan if r % 2 else np.inf
+        got = {}
+        for check in (True, False):
+            with QuantizedComm(WORLD, algorithm="shm", check=check) as qc:
+                out = qc.allreduce(x)
+                got[check] = (qc.last_call.method, qc.last_error_bound)
+        with QuantizedComm(WORLD, algorithm="mpi") as qc:
+            qc.allreduce(x)
+            agreed = qc.last_error_bound
+        exact = np.zeros(n)
+        for k in range(P):
+            xk = np.random.default_rng(k).standard_normal(n).astype(np.float32)
+            xk[(7 * k) % n] = 50.0 * (k + 1)
+            xk[(3 * k + 1) % n] = np.nan if k % 2 else np.inf
+            exact += xk
+        fin = np.isfinite(out)
+        worst = float(np.abs(out[fin] - exact[fin]).max()) if fin.any() else 0.0
+        for check, (method, b) in got.items():
+            if method == "shm":
+                everywhere(b == agreed and worst <= b and (P == 1 or math.isfinite(b)),
+                           f"shm bound {b} (check={check}) vs agreed {agreed}, error {worst}")
+            elif method == "copy":                # one rank
+                everywhere(b == 0.0, f"one rank: bound {b}")
+            else:                                 # not one node (a faked layout): MPI
+                everywhere(b == (agreed if check else math.inf), f"{method} bound {b}")
+
+
 def test_hierarchical_bound_holds():
     """On a faked layout (run_tests.sh: EQUARX_MPI_FAKE_NODES) the node
     sums' error travels with the quantized schedule between nodes; on one
