@@ -7,7 +7,8 @@ cache costs the first quantized call of a process several seconds (every
 kernel for that input type and wire); with the cache filled, loading takes
 a fraction of a second.  This compiles (or loads) every kernel the
 schedules use, for every input type (float32, float64, float16, bfloat16)
-and every wire format (formats.WIRES), and says where the cache is.
+and every wire format (formats.WIRES and the error-bounded mode's), and
+says where the cache is.
 
 Where numba keeps it: in ``__pycache__`` next to the kernel modules
 (equarx_mpi/kernels/__pycache__/*.nbi, *.nbc) when that folder is
@@ -66,7 +67,7 @@ def warmup(verbose=False):
     t0 = time.perf_counter()
     ds = _dispatchers()
     hits0, misses0 = _counts(ds)
-    for wire in formats.WIRES:
+    for wire in formats.WIRES + (formats.MODE_WIRE,):
         for dt in QUANTIZED_DTYPES:
             kd = kernel_view(np.zeros(1, dt), False).dtype
             t = time.perf_counter()
