@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 from numba import njit
 
-from .kernels.common import mag_bits, mag_limits, mag_value
+from .kernels.magnitude import mag_bits, mag_limits, mag_value
 
 #: bytes of the trailer at the end of every message: float64 (pre, total, mag)
 TRAILER = 24

@@ -19,7 +19,7 @@ from .calls import Call, CallInfo, Counting, Stats, uncompressed_bytes  # noqa: 
 from .engine import Engine
 from .feedback import check as feedback_error
 from .nonblocking import Executor, PersistentRequest
-from .shm import split_nodes
+from .nodes import split_nodes
 from .validate import BFLOAT16, check_buffers, op_name
 
 

@@ -32,7 +32,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import bound
-from .shm import ShmAllreduce, split_nodes
+from .nodes import split_nodes
+from .shm import ShmAllreduce
 
 
 class Hierarchy:

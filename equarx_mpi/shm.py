@@ -50,7 +50,6 @@ publishes it, then every rank reads it.  Slices depend only on (n, dtype, P),
 so ranks with the same node rank on equally sized nodes hold the same slice.
 """
 import math
-import os
 
 import ml_dtypes
 import numpy as np
@@ -58,6 +57,7 @@ from mpi4py import MPI
 
 from . import kernels as K
 from . import shm_kernels as SK
+from .nodes import split_nodes
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 #: dtype -> (element type the kernels see, accumulation type)
@@ -71,48 +71,10 @@ _ACC_OF_KERNEL = {kd: acc for kd, acc in _TYPES.values()}
 LINE = 64
 #: Messages up to this many bytes per rank take the one-shot schedule.
 ONESHOT_BYTES = 64 << 10
-#: Fake node layout for tests, over COMM_WORLD ranks: "2x2" is 2 nodes of 2
-#: ranks (ranks 0-1 node 0, 2-3 node 1), "3,1" nodes of 3 and 1 rank.
-FAKE_NODES_ENV = "EQUARX_MPI_FAKE_NODES"
 
 
 def _round_up(x, a):
     return -(-x // a) * a
-
-
-def parse_nodes(spec, size):
-    """Node sizes from a layout string ("AxB" or "s0,s1,..."), checked
-    against the world size."""
-    try:
-        if "x" in spec:
-            a, b = spec.split("x")
-            sizes = [int(b)] * int(a)
-        else:
-            sizes = [int(s) for s in spec.split(",")]
-    except ValueError:
-        raise ValueError(f"{FAKE_NODES_ENV}={spec!r}: expected 'AxB' (A nodes of B ranks) "
-                         f"or node sizes 's0,s1,...'") from None
-    if min(sizes) < 1 or sum(sizes) != size:
-        raise ValueError(f"node layout {spec!r} has {sum(sizes)} ranks in nodes of "
-                         f"{sizes}; COMM_WORLD has {size}")
-    return sizes
-
-
-def split_nodes(comm, nodes=None):
-    """The communicator of comm's ranks on this rank's node, ranked as in comm
-    (collective; the caller frees it).  ``nodes`` (or $EQUARX_MPI_FAKE_NODES)
-    fakes a layout over COMM_WORLD ranks, within the real nodes, so that node
-    aware schedules can be tested on one machine."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    spec = os.environ.get(FAKE_NODES_ENV) if nodes is None else nodes
-    if not spec:
-        return local
-    world = MPI.COMM_WORLD
-    ends = np.cumsum(parse_nodes(spec, world.Get_size()))
-    color = int(np.searchsorted(ends, world.Get_rank(), side="right"))
-    fake = local.Split(color, comm.Get_rank())
-    local.Free()
-    return fake
 
 
 def slice_bounds(n, itemsize, P, k):

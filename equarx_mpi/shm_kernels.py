@@ -23,7 +23,8 @@ over the caller's memory.
 import numpy as np
 from numba import njit
 
-from .kernels.common import OP_SUM, load, mag_bits, mag_limits, mag_value, reduce2, store
+from .kernels.common import OP_SUM, load, reduce2, store
+from .kernels.magnitude import mag_bits, mag_limits, mag_value
 
 _CACHE = dict(cache=True, nogil=True)
 #: Values per tile of the fused reduction: the accumulator of one tile stays

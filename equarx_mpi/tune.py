@@ -188,7 +188,7 @@ def _methods_times(comm, methods, sizes, iters, opts, say):
 
 
 def _measure_layout(sub, nodes, rpn, args, alone, say):
-    from .shm import split_nodes
+    from .nodes import split_nodes
     P = sub.Get_size()
     lay = {"nodes": nodes, "rpn": rpn, "wire": args.wire, "block": args.block}
     lay["sync"] = sub.allreduce(_best_time(lambda: [sub.Barrier() for _ in range(200)],
@@ -230,7 +230,7 @@ def _measure_layout(sub, nodes, rpn, args, alone, say):
 def measure(args):
     from mpi4py import MPI
     from .bench import mpi_library
-    from .shm import split_nodes
+    from .nodes import split_nodes
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     say = (lambda text: (sys.stderr.write(text + "\n"), sys.stderr.flush())) \

@@ -15,7 +15,8 @@ import pytest
 from mpi4py import MPI
 
 from equarx_mpi import QuantizedComm
-from equarx_mpi.shm import parse_nodes, slice_bounds
+from equarx_mpi.nodes import parse_nodes
+from equarx_mpi.shm import slice_bounds
 
 from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16, two_shot_allreduce, unit_roundoff

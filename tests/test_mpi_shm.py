@@ -14,7 +14,8 @@ import pytest
 from mpi4py import MPI
 
 from equarx_mpi.exact import largest
-from equarx_mpi.shm import FAKE_NODES_ENV, ShmAllreduce, parse_nodes, split_nodes
+from equarx_mpi.nodes import FAKE_NODES_ENV, parse_nodes, split_nodes
+from equarx_mpi.shm import ShmAllreduce
 
 from reference import BF16
 

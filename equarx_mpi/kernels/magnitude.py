@@ -1,0 +1,54 @@
+"""The magnitude bits of kernel elements: unsigned integers that order like
+the magnitudes (Inf above every finite value, NaN above Inf), so a largest
+magnitude is an integer max() that vectorizes, where a float one that must
+skip NaN does not.  Used by the error bound's magnitude pass (bound.py) and
+the shared window's kernels (shm_kernels.py)."""
+import numpy as np
+from numba import types
+from numba.extending import overload
+
+from .common import CACHE, abs_bits, bf16_to_f32, f16_to_f32, u32_as_f32, u64_as_f64
+
+
+def mag_bits(src, i):
+    """The magnitude bits of src[i] (a kernel element: float, or the bits of
+    float16/bfloat16) as an unsigned integer of its width: they order like
+    the magnitudes, Inf above every finite value and NaN above Inf."""
+
+
+@overload(mag_bits, jit_options=CACHE)
+def _mag_bits(src, i):
+    if src.dtype == types.float32 or src.dtype == types.float64:
+        return lambda src, i: abs_bits(src[i])
+    return lambda src, i: np.uint16(src[i] & 0x7FFF)
+
+
+def mag_limits(src):
+    """(zero, the magnitude bits of Inf) in mag_bits' type."""
+
+
+@overload(mag_limits, jit_options=CACHE)
+def _mag_limits(src):
+    dt = src.dtype
+    if dt == types.float32:
+        return lambda src: (np.uint32(0), np.uint32(0x7F800000))
+    if dt == types.float64:
+        return lambda src: (np.uint64(0), np.uint64(0x7FF0000000000000))
+    inf = 0x7C00 if dt == types.int16 else 0x7F80        # float16, bfloat16
+    return lambda src: (np.uint16(0), np.uint16(inf))
+
+
+def mag_value(src, bits):
+    """The magnitude whose bits mag_bits gave, as float64."""
+
+
+@overload(mag_value, jit_options=CACHE)
+def _mag_value(src, bits):
+    dt = src.dtype
+    if dt == types.float32:
+        return lambda src, bits: np.float64(u32_as_f32(bits))
+    if dt == types.float64:
+        return lambda src, bits: u64_as_f64(bits)
+    if dt == types.int16:
+        return lambda src, bits: np.float64(f16_to_f32(np.int16(bits)))
+    return lambda src, bits: np.float64(bf16_to_f32(bits))
