@@ -112,7 +112,10 @@ def _busy_hop(args):
 
 def _fit(sizes, times):
     """(latency, seconds per byte) of t = a + b*size, least squares in
-    relative terms."""
+    relative terms; the latency at least half the smallest message's time
+    (a link that passes small messages faster than its rate, like the
+    emulated cluster's token bucket, fits a latency near 0 otherwise, and the
+    model would then think every small message free)."""
     w = [1 / t ** 2 for t in times]
     A = sum(w)
     B = sum(wi * s for wi, s in zip(w, sizes))
@@ -121,7 +124,7 @@ def _fit(sizes, times):
     E = sum(wi * s * t for wi, s, t in zip(w, sizes, times))
     det = A * C - B * B
     a, b = (C * D - B * E) / det, (A * E - B * D) / det
-    return [max(a, 1e-7), max(b, 1e-13)]
+    return [max(a, min(times) / 2, 1e-7), max(b, 1e-13)]
 
 
 def _exchange(comm, sizes, reps):

