@@ -3,6 +3,7 @@ value, one tiny agreement turns it into the same exception on every rank.
 And the hook that ends the whole job on an uncaught exception."""
 import array
 import functools
+import struct
 import sys
 import zlib
 
@@ -51,11 +52,14 @@ def agree(comm, what, meta, err, most=None):
 
 
 def _float_bits(x):
-    return int(np.array(float(x), np.float64).view(np.int64))
+    return _INT64.unpack(_FLOAT64.pack(x))[0]
 
 
 def _bits_float(b):
-    return float(np.array(b, np.int64).view(np.float64))
+    return _FLOAT64.unpack(_INT64.pack(b))[0]
+
+
+_INT64, _FLOAT64 = struct.Struct("=q"), struct.Struct("=d")
 
 
 def raise_agreed(what, everyone):

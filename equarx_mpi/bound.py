@@ -350,7 +350,9 @@ class Record:
 
     @classmethod
     def constant(cls, n, block, value):
-        return cls(n, block, [(0, n, np.full(-(-n // block), float(value)))])
+        # made on demand: every exact call records one, few ask for it
+        value = float(value)
+        return cls(n, block, lambda: [(0, n, np.full(-(-n // block), value))])
 
     def blocks(self, out=None):
         """The bound per block, into ``out`` (float64, ceil(n/block)) if given."""

@@ -260,14 +260,14 @@ class QuantizedComm:
         # with feedback the values reduced are known only when the call runs
         later = persistent or feedback is not None
         dtype = None if err is not None or recv is OPAQUE else recv.dtype
-        tolerant = self._tolerant and nbytes and exact.sums_floats(what, name, dtype, P)
+        sums = exact.sums_floats(what, name, dtype, P)
+        tolerant = self._tolerant and nbytes and sums
         if tolerant and later and err is None:
             err = ValueError(tolerance.NOT_PERSISTENT)
         # the window finds it on the way (shm.py), as long as no rank's
         # input moved (feedback)
         window_most = method == "shm" and feedback is None and not tolerant
-        needs_most = ((method in policy.EXACT and not window_most) or tolerant) and \
-            exact.sums_floats(what, name, dtype, P)
+        needs_most = ((method in policy.EXACT and not window_most) or tolerant) and sums
         most = None
         if needs_most and self.check and not later and nbytes:
             most = exact.largest(recv if send is None else send)
@@ -281,7 +281,7 @@ class QuantizedComm:
             most = tolerance.settle(self.options, c, P, most, self._ctl)
         if c.method in policy.EXACT and c.bound is None and not (needs_most and later
                                                                     and self.check) \
-                and not (window_most and exact.sums_floats(what, name, dtype, P)):
+                and not (window_most and sums):
             c.bound = exact.error_bound(what, name, dtype, P, most) if nbytes else 0.0
         return c
 
