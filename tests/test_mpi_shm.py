@@ -131,6 +131,16 @@ def test_largest_magnitude_skips_inf_and_nan(shm, dtype, n):
         got = shm.allreduce(xs[r], out)
         everywhere(comm, got == want, f"largest magnitude {got} != {want}")
         everywhere(comm, shm.allreduce(xs[r], out, MPI.MAX) == 0.0, "MAX returns 0.0")
+    # the bottom of the range: zeros and -0.0, one smallest subnormal, a NaN
+    # with its sign bit set (its magnitude bits lie above Inf's)
+    tiny = np.array(1, f"u{np.dtype(dtype).itemsize}").view(dtype)
+    xs = [np.where(np.arange(n) % 2, -0.0, 0.0).astype(dtype) for _ in range(P)]
+    xs[P - 1][n // 2] = -tiny
+    xs[0][n - 1] = -np.float64(np.nan)
+    out = np.empty_like(xs[r])
+    got = shm.allreduce(xs[r], out)
+    everywhere(comm, got == float(np.abs(tiny.astype(np.float64))),
+               f"smallest subnormal: got {got}")
 
 
 @pytest.mark.mpi(min_size=1)
