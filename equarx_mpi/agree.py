@@ -11,7 +11,6 @@ from mpi4py import MPI
 import numpy as np
 
 
-@functools.lru_cache(maxsize=256)
 def _key(name, value):
     """A stable integer for comparing a call's value across ranks."""
     if type(value) is int:
@@ -19,6 +18,14 @@ def _key(name, value):
     if isinstance(value, np.dtype):   # dtype.str alone can't tell bfloat16 apart
         value = value.str + str(value)
     return zlib.crc32(f"{name}={value}".encode())
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _signature(meta):
+    """The fields of a call's (name, value) pairs and their negatives, as
+    the first part of the agreement's message (a call repeats: cached)."""
+    fields = [_key(name, value) for name, value in meta]
+    return array.array("q", fields + [-f for f in fields])
 
 
 def agree(comm, what, meta, err, most=None):
@@ -35,16 +42,17 @@ def agree(comm, what, meta, err, most=None):
     # One tiny MAX-Allreduce of (fields, -fields, error flag, most) tells
     # every rank whether all agree; only then are details gathered.
     # (array.array: a numpy array costs more than the message here.)
-    fields = [v if type(v) is int else _key(name, v) for name, v in meta]
-    a = array.array("q", fields)
-    a.extend([-f for f in fields])
+    sig = _signature(tuple(meta))
+    a = array.array("q", sig)
     a.append(err is not None)
     # always there, so the message has one length on every rank; a
     # nonnegative float's bits order like its value, -1 stands for None
     a.append(-1 if most is None else _float_bits(most))
     comm.Allreduce(MPI.IN_PLACE, [a, MPI.INT64_T], MPI.MAX)
-    k = len(fields)
-    if not a[2 * k] and all(a[i] == -a[k + i] for i in range(k)):
+    # the MAX of every field and of its negative is this rank's own pair
+    # exactly when every rank has the same field
+    k = len(sig)
+    if not a[k] and a[:k] == sig:
         return None if most is None or a[-1] < 0 else _bits_float(a[-1])
     everyone = comm.allgather((None if err is None else (type(err).__name__, str(err)),
                                {name: str(v) for name, v in meta}))

@@ -22,6 +22,7 @@ All bounds are computed in float64 with rounding to nearest and finally
 multiplied by SLACK, which covers the relative error of up to 2^20 such
 operations; they are upper bounds on the error in exact arithmetic.
 """
+import functools
 import math
 
 import ml_dtypes
@@ -51,7 +52,10 @@ OUT_LIMIT = {np.dtype(np.int16): 65520.0,
 def kernel_dtype(dtype):
     """The kernels' element type for a value dtype (engine.kernel_view's)."""
     dtype = np.dtype(dtype)
-    return {np.dtype(np.float16): np.dtype(np.int16), BF16: np.dtype(np.uint16)}.get(dtype, dtype)
+    return _KERNEL_DTYPE.get(dtype, dtype)
+
+
+_KERNEL_DTYPE = {np.dtype(np.float16): np.dtype(np.int16), BF16: np.dtype(np.uint16)}
 
 
 def acc_rounding(kdtype):
@@ -140,9 +144,13 @@ def from_bits(b):
 def unit(dtype):
     """Unit roundoff of a float dtype (of each component of a complex one)."""
     dtype = np.dtype(dtype)
-    if dtype == BF16:
-        return 2.0 ** -8
-    return float(np.finfo(dtype).eps) / 2
+    u = _UNIT.get(dtype)
+    return float(np.finfo(dtype).eps) / 2 if u is None else u
+
+
+#: unit roundoff of the common types (np.finfo is slow; it lacks bfloat16)
+_UNIT = {np.dtype(np.float64): 2.0 ** -53, np.dtype(np.float32): 2.0 ** -24,
+         np.dtype(np.float16): 2.0 ** -11, BF16: 2.0 ** -8}
 
 
 def mpi_sum(dtype, P, S):
@@ -152,19 +160,24 @@ def mpi_sum(dtype, P, S):
     the components), times sqrt(2) for the modulus.  16-bit types: MPI's
     own float16 arithmetic or a float32 sum rounded once
     (exact.collective), whichever ran; the bound covers both."""
-    dtype = np.dtype(dtype)
     if P <= 1:
         return 0.0
+    a, b = _sum_terms(np.dtype(dtype), P)
+    return (a * S + b) * SLACK
+
+
+@functools.lru_cache(maxsize=128)
+def _sum_terms(dtype, P):
+    """(a, b) with mpi_sum = (a S + b) SLACK (every exact call asks)."""
     if dtype.itemsize != 2:
-        g = gamma(P - 1, unit(dtype)) * S
-        return g * (1.4142136 if dtype.kind == "c" else 1) * SLACK
+        return gamma(P - 1, unit(dtype)) * (1.4142136 if dtype.kind == "c" else 1), 0.0
     u16, eta16 = ROUNDING[kernel_dtype(dtype)]
     u32 = ROUNDING[np.dtype(np.float32)][0]
     # each addition rounded to the 16-bit type, perhaps through float32
     # first; bfloat16, which MPI lacks, is always added in float32
     # (exact.collective) and rounded once
     g = gamma(P - 1, u32 if dtype == BF16 else u16 + u32)
-    return ((g + u16 * (1 + g)) * S + eta16) * SLACK
+    return g + u16 * (1 + g), eta16
 
 
 def sum_of_nonnegatives(computed, P, dtype):
@@ -350,9 +363,7 @@ class Record:
 
     @classmethod
     def constant(cls, n, block, value):
-        # made on demand: every exact call records one, few ask for it
-        value = float(value)
-        return cls(n, block, lambda: [(0, n, np.full(-(-n // block), value))])
+        return cls(n, block, [(0, n, np.full(-(-n // block), float(value)))])
 
     def blocks(self, out=None):
         """The bound per block, into ``out`` (float64, ceil(n/block)) if given."""

@@ -142,6 +142,8 @@ class QuantizedComm:
             rec = self._blocks
         if rec is None:
             raise ValueError("equarx_mpi: block_bounds needs a finished call first")
+        if type(rec) is tuple:      # an exact call's (n, one bound for every block)
+            rec = bound.Record.constant(rec[0], self.block_size, rec[1])
         return rec.blocks(out)
 
     # --- lifetime -----------------------------------------------------------
@@ -359,9 +361,10 @@ class QuantizedComm:
 
     def _record(self, c, info, rec=None):
         """Note a finished call: last_call, the totals, the log line, and
-        what block_bounds needs (``rec``; exact calls: their one bound)."""
+        what block_bounds needs (``rec``; exact calls: their one bound, made
+        a Record only if asked for)."""
         if rec is None:
-            rec = bound.Record.constant(self._result_size(c), self.block_size, info.error_bound)
+            rec = (self._result_size(c), info.error_bound)
         with self._lock:
             t = self._totals
             t[0] += 1

@@ -41,6 +41,18 @@ def test_count_mismatch_raises_on_every_rank(qc):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_repeated_call_still_meets_a_rank_that_changed(qc):
+    # agree.py keeps each call's signature: rank 0 repeats its call from the
+    # cache while rank 1's count changes; then rank 1 repeats, rank 0 changes
+    for turn, changer in enumerate((1, 0)):
+        x = np.ones(500, np.float32)
+        qc.Allreduce(x, np.empty_like(x))
+        y = np.ones(500 + turn + (WORLD.Get_rank() == changer), np.float32)
+        raises_everywhere(ValueError, lambda: qc.Allreduce(y, np.empty_like(y)), "count")
+        qc.Allreduce(x, np.empty_like(x))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_dtype_and_op_mismatch_raise_on_every_rank(qc):
     dt = np.float64 if WORLD.Get_rank() == 1 else np.float32
     x = np.ones(100, dt)
