@@ -42,7 +42,10 @@ def agree(comm, what, meta, err, most=None):
     # One tiny MAX-Allreduce of (fields, -fields, error flag, most) tells
     # every rank whether all agree; only then are details gathered.
     # (array.array: a numpy array costs more than the message here.)
-    sig = _signature(tuple(meta))
+    try:
+        sig = _signature(tuple(meta))
+    except TypeError:       # an unhashable value: no cache
+        sig = _signature.__wrapped__(tuple(meta))
     a = array.array("q", sig)
     a.append(err is not None)
     # always there, so the message has one length on every rank; a

@@ -231,7 +231,8 @@ class QuantizedComm:
                  feedback=None):
         """Checks agreed across ranks, and the choice of path: a Call.
         With opaque_ok (a wrapped communicator) a buffer only MPI can read
-        gives a Call with recv OPAQUE, for MPI to run unchanged.  An exact
+        gives a Call with recv OPAQUE, for MPI to run unchanged, and auto's
+        exact calls are MPI's own (policy.choose's ``wrapped``).  An exact
         float sum's error bound needs the largest input magnitude, agreed
         with the rest; ``persistent``: the values come later, so each run
         finds it (_execute)."""
@@ -248,7 +249,7 @@ class QuantizedComm:
                 reason = "empty message"
             else:
                 method, reason = self._choose(what, name, recv.dtype, nbytes,
-                                              feedback is not None)
+                                              feedback is not None, opaque_ok)
         # a window buffer or none, on every rank (shm.py's base); a field for
         # every method, so that a rank whose checks failed (method "mpi")
         # agrees with the same number of fields as the others; with feedback

@@ -66,13 +66,16 @@ class Layout(NamedTuple):
 EXACT = ("copy", "mpi", "shm")
 
 
-def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False):
+def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
+           wrapped=False):
     """(method, reason): how this call runs, and why, in words for
     ``last_call``.  Methods: "copy" (one rank), "mpi" (MPI's own
     collective), "shm" (exact, through a shared window on one node), or a
     quantized schedule: "ring", "two_shot", "hierarchical".  ``model``: the
     communicator's costmodel.Model; ``feedback``: the call carries an
-    ErrorFeedback (auto leaves out the hierarchical schedule, which cannot)."""
+    ErrorFeedback (auto leaves out the hierarchical schedule, which cannot);
+    ``wrapped``: a wrapped communicator's call, whose exact calls give MPI's
+    own bits (auto leaves out the window, which adds in another order)."""
     if P == 1:
         return "copy", "one rank: a copy"
     if disabled():
@@ -91,7 +94,7 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False):
     if what == "Allgather" and opts["wire"] == "mixed":
         return "mpi", "the error-bounded mode (abs_tol/rel_tol) quantizes sums only"
     # exact from here on: through the window where auto may pick it and it pays
-    exact = ["mpi", "shm"] if alg == "auto" and window else ["mpi"]
+    exact = ["mpi", "shm"] if alg == "auto" and window and not wrapped else ["mpi"]
     times = {}
 
     def t(m):
@@ -184,14 +187,14 @@ class Chooser:
         self.opts, self.P, self.layout, self.model = opts, P, layout, model
         self._seen = {}
 
-    def __call__(self, what, opname, dtype, nbytes, feedback=False):
-        key = (what, opname, dtype, nbytes, disabled(), feedback)
+    def __call__(self, what, opname, dtype, nbytes, feedback=False, wrapped=False):
+        key = (what, opname, dtype, nbytes, disabled(), feedback, wrapped)
         got = self._seen.get(key)
         if got is None:
             if len(self._seen) >= 1024:
                 self._seen.clear()
             got = self._seen[key] = choose(self.opts, what, opname, dtype, nbytes, self.P,
-                                           self.layout, self.model, feedback)
+                                           self.layout, self.model, feedback, wrapped)
         return got
 
     def crossover(self, what, opname, dtype, upto):

@@ -13,7 +13,9 @@ Through the library's policy (QuantizedComm; lossy only where asked for):
     above the size crossover travels quantized; MAX/MIN (unless lossy_ops
     names them), integers, every other op and dtype, and buffers only MPI
     can read (device memory, derived datatypes) go to comm's own method
-    with the caller's arguments unchanged.
+    with the caller's arguments unchanged: exact calls give MPI's own bits
+    (auto does not take the shared window, which adds in another order;
+    algorithm="shm" asks for it, and then it runs there).
     Allgather too, but only with lossy_allgather=True; by default it is
     comm's own.
     allreduce of anything else (scalars, lists, dicts; a Python function as
@@ -82,9 +84,11 @@ def _send_arg(c, sendbuf):
 
 
 def _runs_here(c):
-    """Whether the library runs this call: quantized, or a dtype mpi4py
-    cannot hand to MPI (bfloat16), else MPI with the caller's arguments."""
-    return c.quantize or (c.recv is not OPAQUE and c.recv.dtype in exact.UPCAST_DTYPES)
+    """Whether the library runs this call: quantized, the exact shared
+    window (asked for: algorithm="shm"), or a dtype mpi4py cannot hand to
+    MPI (bfloat16); else MPI with the caller's arguments."""
+    return c.quantize or c.method == "shm" or (c.recv is not OPAQUE
+                                               and c.recv.dtype in exact.UPCAST_DTYPES)
 
 
 class _Wrapped:

@@ -197,6 +197,62 @@ def test_bfloat16_and_float16_exact_through_wrap():
     everywhere(ok, "16-bit floats below the threshold")
 
 
+@mpi2
+def test_exact_window_calls_run_the_window():
+    # auto, or algorithm="shm", may pick the exact shared window on one
+    # node: a wrapped communicator runs it as QuantizedComm does (not MPI
+    # under the window's name, with no bound), blocking, nonblocking and
+    # persistent
+    c = equarx_mpi.wrap(WORLD, algorithm="shm")
+    q = equarx_mpi.QuantizedComm(WORLD, algorithm="shm")
+    x = data(5000, np.float64)
+    ref = np.empty_like(x)
+    q.Allreduce(x, ref)
+    checks = {}
+    for how in ("blocking", "nonblocking", "persistent"):
+        got = np.empty_like(x)
+        if how == "blocking":
+            c.Allreduce(x, got)
+        elif how == "nonblocking":
+            c.Iallreduce(x, got).Wait()
+        else:
+            req = c.Allreduce_init(x, got)
+            req.Start()
+            req.Wait()
+        info = c.last_call
+        checks[how] = (info.method == q.last_call.method and bits(got) == bits(ref)
+                       and info.error_bound == q.last_call.error_bound < np.inf)
+    c.free()
+    q.free()
+    everywhere(all(checks.values()), f"the window through wrap: {checks} "
+                                     f"(QuantizedComm: {q.last_call.method})")
+
+
+@mpi2
+def test_auto_exact_calls_are_mpis_own_with_a_bound():
+    # QuantizedComm's auto may add exactly through the shared window (rank
+    # order); a wrapped communicator's exact calls give MPI's own bits, and
+    # still a finite bound (it once ran MPI with the window's bound: Inf)
+    c = equarx_mpi.wrap(WORLD, algorithm="auto", accuracy="exact")
+    q = equarx_mpi.QuantizedComm(WORLD, algorithm="auto", accuracy="exact")
+    checks, window = {}, 0
+    for n in (1, 1000, 1 << 16, 1 << 20):
+        x = data(n, np.float64)
+        got, ref = np.empty_like(x), np.empty_like(x)
+        c.Allreduce(x, got)
+        WORLD.Allreduce(x, ref)
+        q.Allreduce(x, np.empty_like(x))
+        window += q.last_call.method == "shm"
+        info = c.last_call
+        checks[n] = (info.method == "mpi" and bits(got) == bits(ref)
+                     and 0 < info.error_bound < np.inf)
+    c.free()
+    q.free()
+    everywhere(all(checks.values()), f"wrapped exact calls: {checks}")
+    # the sizes cover the window's: else this test shows nothing
+    everywhere(window > 0 or not q.layout.one_node, "QuantizedComm's auto took the window")
+
+
 # --- errors on every rank ------------------------------------------------------------
 
 @mpi
