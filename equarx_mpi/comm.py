@@ -246,7 +246,7 @@ class QuantizedComm:
         if err is None and recv is not OPAQUE:
             nbytes = dict(meta)["count"] * recv.dtype.itemsize
             if nbytes == 0:
-                reason = "empty message"
+                method, reason = ("copy" if P == 1 else "mpi"), "empty message"
             else:
                 method, reason = self._choose(what, name, recv.dtype, nbytes,
                                               feedback is not None, opaque_ok)
@@ -343,13 +343,15 @@ class QuantizedComm:
 
     def _timed(self, c, fn):
         """fn(): MPI's own call for c, made by a wrapped communicator with
-        the caller's arguments; recorded like any call."""
+        the caller's arguments (or a nonblocking one started); recorded like
+        any call, after the calls queued before it, so that last_call is the
+        last call made once they finish."""
         t0 = time.perf_counter()
         result = fn()
-        self._record(c, CallInfo(c.what, "mpi", None, c.reason, 0,
-                                 uncompressed_bytes(c.what, c.nbytes, self._size),
-                                 time.perf_counter() - t0,
-                                 math.inf if c.bound is None else c.bound))
+        info = CallInfo(c.what, "mpi", None, c.reason, 0,
+                        uncompressed_bytes(c.what, c.nbytes, self._size),
+                        time.perf_counter() - t0, math.inf if c.bound is None else c.bound)
+        self._exec.note(lambda i: self._record(c, i), info)
         return result
 
     def _result_size(self, c):

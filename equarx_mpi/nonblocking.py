@@ -123,6 +123,17 @@ class Executor:
             self._cv.notify_all()
         return req
 
+    def note(self, fn, arg):
+        """fn(arg), bookkeeping with no communication, after every call
+        queued before it: now if none is pending, else in the thread."""
+        with self._cv:
+            if self._pending:
+                self._queue.append((fn, arg, None, None))
+                self._pending += 1
+                self._cv.notify_all()
+                return
+        fn(arg)
+
     def drain(self):
         with self._cv:
             while self._pending:
@@ -162,7 +173,8 @@ class Executor:
                 sys.stderr.flush()
                 self._comm.Abort(1)
                 raise
-            self._finish(g, req, info)
+            if g is not None:
+                self._finish(g, req, info)
             with self._cv:
                 self._pending -= 1
                 self._cv.notify_all()

@@ -168,6 +168,8 @@ def _lossy_candidates(opts, what, layout, model, feedback):
                                         and not layout.one_node):
         cands, why = ["ring"], ("hierarchical covers Allreduce across nodes of equal size; "
                                 "this call: the ring")
+    elif alg == "two_shot" and what == "Allgather":
+        cands, why = ["ring"], "two-shot has no all-gather of its own: this call: the ring"
     else:
         cands, why = [alg], "quantized"
     if acc is None:

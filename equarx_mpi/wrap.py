@@ -25,7 +25,9 @@ Dup/Clone/Idup/Split/Split_type/Create/Create_group return wrapped
 communicators with the same options (COMM_NULL stays COMM_NULL); Free()
 and free() also free the library's duplicates (use free() on a wrapped
 COMM_WORLD: MPI cannot Free that).  ``last_call`` and ``stats`` report
-what the calls did (comm.py CallInfo, Stats).
+what the calls did (comm.py CallInfo, Stats), in the order they were made
+once the nonblocking ones before have finished; each Start() of MPI's own
+persistent request counts as a call (MPI.Prequest.Startall does not record).
 
 Every rank of comm must call wrap() (it is collective); options are those
 of QuantizedComm, and EQUARX_MPI_<OPTION> / EQUARX_MPI_DISABLE apply.
@@ -91,6 +93,16 @@ def _runs_here(c):
                                                and c.recv.dtype in exact.UPCAST_DTYPES)
 
 
+class _RecordedPrequest(MPI.Prequest):
+    """MPI's own persistent request of a wrapped communicator's exact
+    Allreduce_init: each Start() is recorded (last_call, stats) as a call
+    whose error bound is Inf (its values come later).  MPI.Prequest.Startall
+    starts it without a record."""
+
+    def Start(self):
+        self._eq_qc._timed(self._eq_call, super().Start)
+
+
 class _Wrapped:
     """The methods a wrapped communicator overrides (see the module text)."""
 
@@ -152,7 +164,9 @@ class _Wrapped:
         c = qc._prepare("Allreduce", sendbuf, recvbuf, op, opaque_ok=True, persistent=True)
         if _runs_here(c):
             return PersistentRequest(qc._exec, qc._execute, c)
-        return super().Allreduce_init(_send_arg(c, sendbuf), recvbuf, op, info)
+        req = _RecordedPrequest(super().Allreduce_init(_send_arg(c, sendbuf), recvbuf, op, info))
+        req._eq_qc, req._eq_call = qc, c
+        return req
 
     def allreduce(self, sendobj, op=MPI.SUM):
         if not (isinstance(sendobj, np.ndarray) and sendobj.dtype in QUANTIZED_DTYPES

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from equarx_mpi import QuantizedComm
 from equarx_mpi.buffers import OPAQUE, message
 from equarx_mpi.validate import BFLOAT16, check_buffers
 
@@ -122,3 +123,11 @@ def test_opaque_is_an_error_for_the_explicit_api():
     assert isinstance(err, TypeError) and "wrap" in str(err)
     _, r, _, err = check_buffers("Allreduce", _Device(), _Device(), MPI.SUM, 2, opaque_ok=True)
     assert err is None and r is OPAQUE
+
+
+def test_an_empty_message_at_one_rank_is_a_copy():
+    qc = QuantizedComm(MPI.COMM_SELF)
+    qc.Allreduce(np.empty(0, np.float32), np.empty(0, np.float32))
+    info = qc.last_call
+    qc.free()
+    assert info.method == "copy" and info.error_bound == 0.0, info

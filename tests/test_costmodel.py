@@ -335,3 +335,21 @@ def test_fit_recovers_a_line_and_keeps_a_latency():
     times = [5e-6, 150e-6, 2.4e-3, 38e-3]       # unclamped: a = -4.4 us
     a, b = _fit(sizes, times)
     assert a >= 2.5e-6 and b > 0
+
+
+def test_named_methods_report_what_runs_for_the_halves():
+    # the engine's Allgather is the ring whatever the algorithm: two-shot
+    # and hierarchical say so; a wrapped communicator's auto never picks the
+    # window (its exact calls are MPI's own)
+    m = costmodel.Model(profiles.builtin(), 1, 4, "int8", 256)
+    for alg in ("two_shot", "hierarchical", "ring"):
+        o = options.resolve(dict(algorithm=alg, min_quantized_bytes=0))
+        meth, reason = policy.choose(o, "Allgather", "sum", np.dtype(np.float32), 1 << 20, 4,
+                                     layout(1, 4), m)
+        assert meth == "ring", (alg, meth, reason)
+    o = options.resolve(dict(algorithm="auto", accuracy="exact"))
+    picks = {w: {policy.choose(o, "Allreduce", "sum", np.dtype(np.float32), n, 4, layout(1, 4),
+                               m, wrapped=w)[0] for n in (8, 1 << 12, 1 << 20, 1 << 26)}
+             for w in (False, True)}
+    assert "shm" in picks[False] and picks[True] == {"mpi"}, picks
+

@@ -69,7 +69,7 @@ def test_allreduce_matches_simulation_bitwise(comm, dtype, n):
         qc.Allreduce(xs[r], out)
         method = qc.last_call.method
         qc.Allreduce(xs[r], again)
-    want = "mpi" if n == 0 else "copy" if P == 1 else "two_shot"      # nothing to send: MPI's
+    want = "copy" if P == 1 else "mpi" if n == 0 else "two_shot"     # nothing to send: MPI's
     everywhere(method == want, f"took {want}", comm=comm)
     ref, bound, _ = two_shot_allreduce(xs, 256, with_bound=True)
     everywhere(out.tobytes() == ref.tobytes(), "equal to the numpy simulation", comm=comm)

@@ -285,6 +285,39 @@ def test_last_call_and_stats(w):
     everywhere(ok, f"last_call {info} and stats {s}")
 
 
+@mpi2
+def test_mpis_own_requests_are_recorded_in_the_order_made():
+    x, y = data(1000), np.empty(1000, np.float32)
+    c = equarx_mpi.wrap(WORLD, algorithm="ring")     # 4 KB: below the threshold, exact
+    c.Allreduce(x, y, MPI.MAX)                        # bound 0
+    # an exact float SUM through MPI's own persistent request: each Start
+    # is a call, whose values come later (bound Inf, docs/ERROR.md)
+    req = c.Allreduce_init(x, y, MPI.SUM)
+    for _ in range(2):
+        req.Start()
+        req.Wait()
+    persistent = (c.last_call.method == "mpi" and c.last_call.error_bound == np.inf
+                  and c.stats.calls == 3)
+    req.Free()
+    c.free()
+    c = equarx_mpi.wrap(WORLD, algorithm="ring", min_quantized_bytes=0)
+    # a quantized Iallreduce queued, then MPI's own: last_call is the last
+    # one made once both finish (MPI's had been recorded first, then
+    # overwritten by the queued one)
+    big = data(1 << 18)
+    r1 = c.Iallreduce(big, np.empty_like(big))
+    r2 = c.Iallreduce(x, y, MPI.MAX)
+    MPI.Request.Waitall([r1, r2])
+    c.Iallreduce(big, np.empty_like(big)).Wait()     # the queue is empty again
+    ordered = c.last_call.method == "ring"
+    r1 = c.Iallreduce(big, np.empty_like(big))
+    r2 = c.Iallreduce(x, y, MPI.MAX)
+    MPI.Request.Waitall([r1, r2])
+    ordered &= c.last_call.method == "mpi" and c.last_call.error_bound == 0.0
+    c.free()
+    everywhere(persistent and ordered, f"persistent {persistent}, in order {ordered}")
+
+
 # --- the README's example ---------------------------------------------------------------
 
 @mpi
