@@ -313,14 +313,18 @@ class QuantizedComm:
     def _run(self, c, e_own=0.0):
         """_execute without the feedback's part; ``e_own`` bounds how far
         this rank's values are from the caller's."""
-        t0, sent0, P = time.perf_counter(), self._comm.sent, self._size
-        self._comm.polite = self._exec.in_thread()
+        t0, P = time.perf_counter(), self._size
+        comms = (self._comm,) + ((self._hierarchy()[0].inter,)
+                                 if c.method == "hierarchical" else ())
+        sent0 = sum(m.sent for m in comms)
+        for m in comms:
+            m.polite = self._exec.in_thread()
         if c.quantize:
             self._engine.budget = c.budget
             fixed, err, rec = self._quantized(c, e_own)
             return self._record(c, CallInfo(c.what, c.method, self.wire, c.reason, fixed,
-                                            self._comm.sent - sent0, time.perf_counter() - t0,
-                                            err), rec)
+                                            sum(m.sent for m in comms) - sent0,
+                                            time.perf_counter() - t0, err), rec)
         err = c.bound
         # values known only now (persistent, feedback); the window finds
         # them itself unless inputs moved

@@ -32,6 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import bound
+from .calls import Counting
 from .nodes import split_nodes
 from .shm import ShmAllreduce
 
@@ -46,7 +47,9 @@ class Hierarchy:
         #: every node holds the same number of ranks (else the schedule is unusable)
         self.usable = len(set(sizes)) == 1
         leader = local.bcast(comm.Get_rank())          # names the node
-        self.inter = comm.Split(local.Get_rank(), leader)
+        # the library's counting kind (Split makes a plain one): its bytes
+        # and its polite waits are the call's too
+        self.inter = Counting(comm.Split(local.Get_rank(), leader))
         self.nodes = self.inter.Get_size()
         self.ranks_per_node = L = local.Get_size()
         self.shm = ShmAllreduce(local) if self.usable else None

@@ -71,8 +71,13 @@ def test_hierarchical_equals_its_simulation(dtype, n):
         want = ("copy" if WORLD.Get_size() == 1 else
                 "hierarchical" if len(sizes) > 1 and uniform else "ring")
         everywhere(qc.last_call.method == want, f"took {qc.last_call.method}, want {want}")
+        # the traffic between nodes is counted (it went on a communicator
+        # that counted nothing); one rank per node sends on it
+        sent = WORLD.allreduce(qc.last_call.bytes_sent)
+        stats = qc.stats.bytes_sent
     if want != "hierarchical":
         return
+    everywhere(sent > 0 and stats == qc.last_call.bytes_sent, f"bytes sent: {sent}, {stats}")
     ref, bound, _ = simulate(xs, 256)
     everywhere(out.tobytes() == ref.tobytes(), "equal to the simulation bit for bit")
     x64 = [x.astype(np.float64) for x in xs]
