@@ -316,9 +316,9 @@ class QuantizedComm:
         t0, P = time.perf_counter(), self._size
         comms = (self._comm,) + ((self._hierarchy()[0].inter,)
                                  if c.method == "hierarchical" else ())
-        sent0 = sum(m.sent for m in comms)
+        sent0, polite = sum(m.sent for m in comms), self._exec.in_thread()
         for m in comms:
-            m.polite = self._exec.in_thread()
+            m.polite = polite
         if c.quantize:
             self._engine.budget = c.budget
             fixed, err, rec = self._quantized(c, e_own)
