@@ -125,6 +125,24 @@ if [ -f "$M4_TESTS/test_cco_nb_buf.py" ]; then
     done
 fi
 
+# --- the package as users install it: the wheel, outside the source tree -----------
+# (an editable install hides a subpackage the wheel leaves out)
+WHEEL=$(mktemp -d)
+if "$VENV/bin/pip" wheel -q --no-deps -w "$WHEEL" "$ROOT" >"$WHEEL/build.log" 2>&1 \
+        && "$VENV/bin/pip" install -q --no-deps --target "$WHEEL/site" "$WHEEL"/equarx_mpi-*.whl \
+           >>"$WHEEL/build.log" 2>&1; then
+    cp tests/installed_check.py "$WHEEL/"
+    cd "$WHEEL"
+    PYTHONPATH=$WHEEL/site run_ranks 2 "the built wheel, installed, 2 ranks" \
+        "$PY" installed_check.py "$ROOT"
+    cd "$ROOT"
+else
+    cat "$WHEEL/build.log"
+    echo "# FAILED: building or installing the wheel"
+    status=1
+fi
+rm -rf "$WHEEL"
+
 if [ "${LARGE:-1}" = 1 ]; then
     EQUARX_MPI_LARGE=1 run_mpi 2 "AllReduce above 2 GiB per rank, 2 ranks" \
         -m large tests/test_mpi_large.py

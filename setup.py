@@ -1,4 +1,4 @@
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="equarx_mpi",
@@ -6,7 +6,7 @@ setup(
     description="Block-quantized (int8) AllReduce for mpi4py, after EQuARX (arXiv 2506.17615)",
     long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
     long_description_content_type="text/markdown",
-    packages=["equarx_mpi"],
+    packages=find_packages(include=["equarx_mpi", "equarx_mpi.*"]),
     python_requires=">=3.9",
     install_requires=["mpi4py>=4", "numpy>=1.24", "numba>=0.58", "ml_dtypes>=0.3"],
     extras_require={

@@ -34,7 +34,13 @@ def split_nodes(comm, nodes=None):
     fakes a layout over COMM_WORLD ranks, within the real nodes, so that node
     aware schedules can be tested on one machine."""
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    spec = os.environ.get(FAKE_NODES_ENV) if nodes is None else nodes
+    spec = (os.environ.get(FAKE_NODES_ENV) if nodes is None else nodes) or ""
+    # a layout on some ranks only would have them Split alone: a hang
+    specs = comm.allgather(spec)
+    if len(set(specs)) > 1:
+        local.Free()
+        shown = ", ".join(f"rank {r}: {s!r}" for r, s in enumerate(specs))
+        raise ValueError(f"equarx_mpi: {FAKE_NODES_ENV} differs between ranks ({shown})")
     if not spec:
         return local
     world = MPI.COMM_WORLD

@@ -64,7 +64,7 @@ abs_tol, rel_tol: the error-bounded mode (tolerance.py, docs/ERROR.md
     exceeds abs_tol, or rel_tol times M, the largest magnitude of any
     finite input value on any rank of the call; each block travels in the
     fewest bits that keep it (wire "mixed", algorithm "two_shot" unless
-    "mpi" or "shm" is named).  A tolerance finer than the float additions
+    "mpi" or "shm" is named; "auto" means "two_shot" here).  A tolerance finer than the float additions
     and the output type allow raises ValueError on every rank.
 """
 import math
@@ -180,12 +180,14 @@ def resolve(given):
 
 
 def _tolerance_defaults(opts, given):
-    """With a tolerance the wire is "mixed" and the algorithm two-shot,
-    unless the code names others (check() then refuses them)."""
+    """With a tolerance the wire is "mixed" and the algorithm two-shot
+    (also for "auto", the default: the mode's own choice), unless the code
+    names others (check() then refuses them)."""
     if opts["abs_tol"] is not None or opts["rel_tol"] is not None:
         if "wire" not in given:
             opts["wire"] = "mixed"
-        if "algorithm" not in given and opts["algorithm"] not in TOLERANCE_ALGORITHMS:
+        if opts["algorithm"] == "auto" or ("algorithm" not in given and
+                                           opts["algorithm"] not in TOLERANCE_ALGORITHMS):
             opts["algorithm"] = "two_shot"
     return opts
 

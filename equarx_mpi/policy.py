@@ -67,7 +67,7 @@ EXACT = ("copy", "mpi", "shm")
 
 
 def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
-           wrapped=False):
+           wrapped=False, off=False):
     """(method, reason): how this call runs, and why, in words for
     ``last_call``.  Methods: "copy" (one rank), "mpi" (MPI's own
     collective), "shm" (exact, through a shared window on one node), or a
@@ -75,10 +75,11 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
     communicator's costmodel.Model; ``feedback``: the call carries an
     ErrorFeedback (auto leaves out the hierarchical schedule, which cannot);
     ``wrapped``: a wrapped communicator's call, whose exact calls give MPI's
-    own bits (auto leaves out the window, which adds in another order)."""
+    own bits (auto leaves out the window, which adds in another order);
+    ``off``: EQUARX_MPI_DISABLE was set when the communicator was made."""
     if P == 1:
         return "copy", "one rank: a copy"
-    if disabled():
+    if off:
         return "mpi", "EQUARX_MPI_DISABLE is set"
     alg = opts["algorithm"]
     if alg == "mpi":
@@ -110,7 +111,12 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
         if opname != "sum" and opts["wire"] not in formats.DIRECTED_WIRES:
             return best_exact, (f"{opname.upper()} travels quantized only on wires that "
                                 f"round up and down: {', '.join(formats.DIRECTED_WIRES)}")
-    lossy, why = _lossy_candidates(opts, what, layout, model, feedback)
+    # stochastic rounding has twice the error variance of nearest (costmodel)
+    rmode = "stochastic" if rounding(opts, opname) == K.ROUND_STOCHASTIC else "nearest"
+
+    def error(m):
+        return model.error(m, rmode)
+    lossy, why = _lossy_candidates(opts, what, layout, error, feedback)
     if not lossy:
         return best_exact, why
     least = opts["min_quantized_bytes"]
@@ -121,11 +127,11 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
         return best_exact, f"{nbytes} bytes is below min_quantized_bytes={least}"
     if alg != "auto":
         return lossy[0], why
-    best = near_fastest(lossy, t, model.error)
+    best = near_fastest(lossy, t, error)
     if t(best) * LOSSY_MARGIN > t(best_exact):
         return best_exact, (f"auto: exact is predicted faster: {_predicted(times, best_exact)}, "
                             f"{_predicted(times, best)}")
-    return best, (f"auto: {_predicted(times, best)}, error {model.error(best):.2%}; "
+    return best, (f"auto: {_predicted(times, best)}, error {error(best):.2%}; "
                   f"{_predicted(times, best_exact)}")
 
 
@@ -147,10 +153,10 @@ def _predicted(times, m):
     return f"{m} predicted {times[m] * 1e3:.3g} ms"
 
 
-def _lossy_candidates(opts, what, layout, model, feedback):
+def _lossy_candidates(opts, what, layout, error, feedback):
     """(quantized methods this call may take, and why, in words): the
     algorithm asked for, or under auto every one that fits the call, the
-    wire and ``accuracy``."""
+    wire and ``accuracy`` (``error``: a method's predicted error)."""
     alg, wire, acc = opts["algorithm"], opts["wire"], opts["accuracy"]
     if acc == "exact":
         return [], "accuracy='exact'"
@@ -174,29 +180,33 @@ def _lossy_candidates(opts, what, layout, model, feedback):
         cands, why = [alg], "quantized"
     if acc is None:
         return cands, why
-    fits = [m for m in cands if model.error(m) <= acc]
+    fits = [m for m in cands if error(m) <= acc]
     if not fits:
-        errs = ", ".join(f"{m} {model.error(m):.2%}" for m in cands)
+        errs = ", ".join(f"{m} {error(m):.2%}" for m in cands)
         return [], f"accuracy={acc:g}: no quantized method is that accurate ({errs})"
     return fits, why
 
 
 class Chooser:
     """choose() for one communicator, remembered per call shape: the model
-    takes tens of microseconds, and a shape's answer never changes."""
+    takes tens of microseconds, and a shape's answer never changes.
+    EQUARX_MPI_DISABLE is read once, here: the communicator's maker agrees
+    it across ranks, so that every rank (and crossover) answers alike."""
 
     def __init__(self, opts, P, layout, model):
         self.opts, self.P, self.layout, self.model = opts, P, layout, model
+        self.off = disabled()
         self._seen = {}
 
     def __call__(self, what, opname, dtype, nbytes, feedback=False, wrapped=False):
-        key = (what, opname, dtype, nbytes, disabled(), feedback, wrapped)
+        key = (what, opname, dtype, nbytes, feedback, wrapped)
         got = self._seen.get(key)
         if got is None:
             if len(self._seen) >= 1024:
                 self._seen.clear()
             got = self._seen[key] = choose(self.opts, what, opname, dtype, nbytes, self.P,
-                                           self.layout, self.model, feedback, wrapped)
+                                           self.layout, self.model, feedback, wrapped,
+                                           self.off)
         return got
 
     def crossover(self, what, opname, dtype, upto):

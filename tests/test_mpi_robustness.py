@@ -421,3 +421,67 @@ def test_max_message_bytes_is_a_hard_cap():
         assert max(sizes) <= cap, (wire, block, cap, max(sizes))
     raises_everywhere(ValueError, lambda: QuantizedComm(WORLD, bits=32, block_size=4096,
                                                         max_message_bytes=1024), "one block")
+
+
+# --- what differs between ranks, and use after free() ------------------------------
+
+def test_empty_after_free_raises():
+    q = QuantizedComm(WORLD)
+    q.free()
+    raises_everywhere(ValueError, lambda: q.empty(10), "freed")
+
+
+@pytest.fixture
+def env_on_rank1(monkeypatch):
+    """set(name, value): that environment on rank 1 only, the variable
+    unset on the others (restored after the test)."""
+    def set_(name, value):
+        monkeypatch.delenv(name, raising=False)
+        if WORLD.Get_rank() == 1:
+            monkeypatch.setenv(name, value)
+    return set_
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fake_nodes_on_one_rank_raises_everywhere(env_on_rank1):
+    # it hung: rank 1 split a faked node alone
+    env_on_rank1("EQUARX_MPI_FAKE_NODES", f"{WORLD.Get_size()}x1")
+    raises_everywhere(ValueError, lambda: QuantizedComm(WORLD), "EQUARX_MPI_FAKE_NODES differs")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_disable_on_one_rank_raises_everywhere(env_on_rank1):
+    # crossover() is local: it answered differently on rank 1
+    env_on_rank1("EQUARX_MPI_DISABLE", "1")
+    raises_everywhere(ValueError, lambda: QuantizedComm(WORLD), "EQUARX_MPI_DISABLE differs")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_disable_everywhere_makes_every_call_exact(monkeypatch):
+    monkeypatch.setenv("EQUARX_MPI_DISABLE", "1")
+    with QuantizedComm(WORLD, min_quantized_bytes=0) as q:
+        assert q.crossover() is None
+        x = np.random.default_rng(WORLD.Get_rank()).standard_normal(4096).astype(np.float32)
+        out = q.allreduce(x)
+        everywhere(q.last_call.method == "mpi", "exact")
+        ref = np.empty_like(x)
+        WORLD.Allreduce(x, ref)
+        everywhere(out.tobytes() == ref.tobytes(), "MPI's bits")
+
+
+@pytest.mark.parametrize("tol", [dict(abs_tol=1e-3), dict(rel_tol=1e-2)])
+def test_the_default_algorithm_takes_a_tolerance(tol):
+    # algorithm="auto" is the documented default; naming it raised ValueError
+    x = np.random.default_rng(WORLD.Get_rank()).standard_normal(1 << 16).astype(np.float32)
+    bound = []
+    for given in (dict(algorithm="auto"), {}):
+        with QuantizedComm(WORLD, min_quantized_bytes=0, **given, **tol) as q:
+            assert q.options["algorithm"] == "two_shot"
+            out = q.allreduce(x)
+            bound.append(q.last_error_bound)
+            M = WORLD.allreduce(float(np.abs(x).max()), MPI.MAX)
+            t = tol.get("abs_tol", tol.get("rel_tol", 0) * M)
+            exact = WORLD.allreduce(x.astype(np.float64))
+            everywhere(q.last_error_bound <= t, "bound within the tolerance")
+            everywhere(np.abs(out - exact).max() <= q.last_error_bound, "error within the bound")
+    assert bound[0] == bound[1]
