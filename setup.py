@@ -1,11 +1,27 @@
+import os
+import re
+
 from setuptools import find_packages, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _read(name):
+    with open(os.path.join(HERE, name), encoding="utf-8") as f:
+        return f.read()
+
+
+# the version lives in equarx_mpi/__init__.py only
+VERSION = re.search(r'^__version__ = "([^"]+)"', _read("equarx_mpi/__init__.py"), re.M).group(1)
 
 setup(
     name="equarx_mpi",
-    version="0.2.0",
-    description="Block-quantized (int8) AllReduce for mpi4py, after EQuARX (arXiv 2506.17615)",
-    long_description=open("README.md").read() if __import__("os").path.exists("README.md") else "",
+    version=VERSION,
+    description="Block-quantized (int8 and below) AllReduce for mpi4py, after EQuARX "
+                "(arXiv 2506.17615)",
+    long_description=_read("README.md"),
     long_description_content_type="text/markdown",
+    license="BSD-3-Clause",
     packages=find_packages(include=["equarx_mpi", "equarx_mpi.*"]),
     python_requires=">=3.9",
     install_requires=["mpi4py>=4", "numpy>=1.24", "numba>=0.58", "ml_dtypes>=0.3"],
@@ -19,4 +35,13 @@ setup(
         "examples": ["safetensors>=0.4", "tokenizers>=0.15", "scipy>=1.8", "scikit-learn>=1.0",
                      "threadpoolctl>=3"],
     },
+    classifiers=[
+        "Development Status :: 4 - Beta",
+        "Intended Audience :: Science/Research",
+        "License :: OSI Approved :: BSD License",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Topic :: System :: Distributed Computing",
+        "Topic :: Scientific/Engineering",
+    ],
 )

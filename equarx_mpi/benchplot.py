@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from .bench import human
+from .benchreport import human
 
 INSTALL = "--plot needs matplotlib: pip install equarx_mpi[plot]"
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from . import bound, exact, policy
+from . import bound, exact
 from .kernels.mixed import SAFE
 
 #: the tolerance is used shrunk by this: the float64 rounding of the sums
@@ -172,6 +172,6 @@ def settle(opts, c, P, M, comm):
         c.method, c.reason, c.bound = "mpi", "error-bounded: every finite input is zero", 0.0
         return M
     b = budget(opts, c.what, c.recv.dtype, P, M)
-    if c.method not in policy.EXACT:
+    if c.quantize:
         c.budget = b
     return M
