@@ -63,8 +63,10 @@ class QuantizedComm:
             o, err = options.resolve(opts), None
         except (TypeError, ValueError) as e:
             o, err = {}, e
+        # EQUARX_MPI_DISABLE too: read once (policy.Chooser), the same everywhere
         everyone = comm.allgather((None if err is None else (type(err).__name__, str(err)),
-                                   {k: str(v) for k, v in o.items()}))
+                                   dict({k: str(v) for k, v in o.items()},
+                                        EQUARX_MPI_DISABLE=options.disabled())))
         raise_agreed("QuantizedComm", everyone)
         self.options = o
         self.wire, self.block_size = o["wire"], o["block_size"]
@@ -205,6 +207,8 @@ class QuantizedComm:
         sendbuf (or recvbuf, in place) skips the copy in; every call returns
         the same memory (one such buffer at a time), valid until free().
         Elsewhere, or for types the window does not reduce, a plain array."""
+        if self._comm is None:
+            raise ValueError("equarx_mpi: this QuantizedComm has been freed")
         dtype = np.dtype(dtype)
         if self.layout.one_node and self._size > 1 and (dtype.kind == "f" or dtype == BFLOAT16) \
                 and dtype.itemsize <= 8:
@@ -307,7 +311,7 @@ class QuantizedComm:
         adj = fb.begin(own)
         info = self._run(Call(c.what, adj, c.recv, c.op, c.name, c.method, c.reason,
                               c.nbytes, feedback=fb), fb.moved(own))
-        fb.end()
+        fb.end(c.recv)
         return info
 
     def _run(self, c, e_own=0.0):

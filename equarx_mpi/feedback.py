@@ -22,9 +22,14 @@ biased rounding error without feedback adds up T times.  Also kept: for
 16-bit inputs, the rounding of x + e to the input type; for 16-bit outputs,
 the owner's rounding of its finished shard into the output.  Blocks
 reduced exactly (flagged: Inf or NaN, or too large for a 16-bit output)
-lose nothing, and their residual restarts at zero.  A call that takes an
-exact path (one rank, a message below min_quantized_bytes, algorithm
-"mpi" or "shm") reduces x + e exactly and so hands the whole residual on.
+lose nothing, and their residual restarts at zero on every rank; so does a
+value that is Inf or NaN in a rank's x + e (on that rank), and one whose
+sum a plain wire's 16-bit store overflows to Inf (on its owner): a
+residual is always finite.  A call that takes an exact path (one rank, a
+message below min_quantized_bytes, algorithm "mpi" or "shm") reduces
+x + e exactly and so hands the whole residual on (16-bit inputs keep the
+rounding of x + e to their type).  Kept negated (``ErrorFeedback``): a
+zero residual then leaves -0.0 as it is.
 
 The losses are measured around the schedule, not in it: a proxy of the
 wire format (``format``) decodes what each encode or hop produced and
@@ -53,56 +58,67 @@ class ErrorFeedback:
     def __init__(self):
         self.reset()
 
+    # The residual is kept negated, as what the quantizations gained
+    # (D(Q(v)) - v), and the input is x - gain: exact differences and
+    # cancellations give +0.0, and x - (+0.0) is x for every x, -0.0 too,
+    # where x + (+0.0) would turn -0.0 into +0.0.
+
     def reset(self):
         """Drop the residual: the next call starts afresh, with any shape."""
         self._count = self._dtype = None
-        self._res = self._next = self._adj = self._tmp = None
+        self._gain = self._next = self._adj = self._tmp = None
         self._flagged = []
 
     @property
     def residual(self):
-        """This rank's residual after the last call (read-only, float32, or
-        float64 for float64 buffers), or None before the first call."""
-        if self._res is None:
+        """This rank's residual after the last call (a read-only copy,
+        float32, or float64 for float64 buffers), or None before the first
+        call."""
+        if self._gain is None:
             return None
-        v = self._res.view()
+        v = -self._gain
         v.flags.writeable = False
         return v
 
     def __repr__(self):
-        if self._res is None:
+        if self._gain is None:
             return "ErrorFeedback(empty)"
         return (f"ErrorFeedback({self._count} {self._dtype.name} values, "
-                f"max |residual| {float(np.max(np.abs(self._res), initial=0)):.3g})")
+                f"max |residual| {float(np.max(np.abs(self._gain), initial=0)):.3g})")
 
     # --- used by QuantizedComm ---------------------------------------------------
     def begin(self, own):
         """The input of this call: own (the caller's flat values) plus the
         residual, rounded to own's type; the next residual starts as what
-        that rounding lost."""
+        that rounding lost; a value that is Inf or NaN here carries nothing."""
         n, dt = own.size, own.dtype
         acc = acc_dtype(dt)
-        if self._res is None:
+        if self._gain is None:
             self._count, self._dtype = n, dt
-            self._res = np.zeros(n, acc)
+            self._gain = np.zeros(n, acc)
             self._next = np.empty(n, acc)
             self._adj = np.empty(n, dt)
-        adj, nxt = self._adj, self._next
-        if dt == acc:
-            np.add(own, self._res, out=adj)
-            nxt.fill(0)
-            if np.isinf(adj).any():              # own + e overflowed: keep max, carry the rest
-                over = np.isinf(adj) & np.isfinite(own)
-                adj[over] = np.copysign(np.finfo(dt).max, adj[over])
-                nxt[over] = (own[over] - adj[over]) + self._res[over]
-        else:
-            s = own.astype(acc)
-            s += self._res
-            adj[...] = s
-            if np.isinf(adj).any():              # rounded past the 16-bit maximum
-                over = np.isinf(adj) & np.isfinite(s)
-                adj[over] = np.copysign(float(ml_dtypes.finfo(dt).max), s[over]).astype(dt)
-            np.subtract(s, adj.astype(acc), out=nxt)
+        adj, nxt, gain = self._adj, self._next, self._gain
+        with np.errstate(over="ignore", invalid="ignore"):     # mended below
+            if dt == acc:
+                np.subtract(own, gain, out=adj)
+                nxt.fill(0)
+            else:
+                s = own.astype(acc)
+                s -= gain
+                adj[...] = s
+                np.subtract(adj.astype(acc), s, out=nxt)
+        finite = np.isfinite(adj)
+        if not finite.all():
+            # past dt's largest value from a finite own: keep the largest,
+            # carry the rest; Inf or NaN in own (Inf - Inf would be NaN in
+            # every later call): nothing
+            bad = ~finite
+            over = bad & np.isfinite(own)
+            big = float(ml_dtypes.finfo(dt).max)
+            adj[over] = np.copysign(big, adj[over].astype(acc)).astype(dt)
+            nxt[bad] = 0
+            nxt[over] = (adj[over].astype(acc) - own[over].astype(acc)) + gain[over]
         self._flagged = []
         return adj
 
@@ -110,7 +126,8 @@ class ErrorFeedback:
         """A bound on how far this call's input (``begin``) is from own, over
         the finite values: the certified bound adds it, so it still holds
         against the caller's values."""
-        d = np.abs(self._adj.astype(np.float64) - own.astype(np.float64))
+        with np.errstate(invalid="ignore"):                  # Inf - Inf: left out
+            d = np.abs(self._adj.astype(np.float64) - own.astype(np.float64))
         d = d[np.isfinite(d)]
         return float(d.max()) * (1 + 2.0 ** -50) if d.size else 0.0
 
@@ -118,15 +135,17 @@ class ErrorFeedback:
         """The call's wire format, noting each quantization's loss; own and
         out are the kernel views of the call's input (``begin``) and output."""
         if self._tmp is None:                    # partial sums and decoded values
-            self._tmp = np.empty((2, self._count), self._res.dtype)
+            self._tmp = np.empty((2, self._count), self._gain.dtype)
         return _Losses(fmt, self, own, out)
 
-    def end(self):
-        """After the call: flagged blocks carry nothing on; the new residual
-        becomes current."""
+    def end(self, result):
+        """After the call (``result``: its flat output): flagged blocks, and
+        values whose result is Inf or NaN (an exact path's sum that
+        overflowed), carry nothing on; the new residual becomes current."""
         for lo, hi in self._flagged:
             self._next[lo:hi] = 0
-        self._res, self._next = self._next, self._res
+        self._next[~np.isfinite(result)] = 0
+        self._gain, self._next = self._next, self._gain
 
 
 def check(fb, opname, recv, method):
@@ -178,10 +197,10 @@ class _Losses:
         return v
 
     def _lose(self, v, w, at):
-        """residual[at:at+n] += v - D(w), but nothing in blocks w flags."""
+        """gain[at:at+n] += D(w) - v, but nothing in blocks w flags."""
         d = self._d[:v.size]
         skipped = self._fmt.decode(w, d)
-        np.subtract(v, d, out=d)
+        d -= v
         B = self.block
         for b in skipped:
             d[b * B:(b + 1) * B] = 0
@@ -218,7 +237,11 @@ class _Losses:
         if final:
             v = self._v[:n]
             v[...] = out.view(self._wide)
-            d -= v
+            with np.errstate(invalid="ignore"):  # skipped blocks: left out
+                np.subtract(v, d, out=d)
+            # a sum past the 16-bit maximum is stored as Inf (a plain wire's
+            # decode does not flag it): Inf - sum must not be carried on
+            np.nan_to_num(d, copy=False, nan=0, posinf=0, neginf=0)
             for b in skipped:
                 d[b * B:(b + 1) * B] = 0
             self._fb._next[at:at + n] += d

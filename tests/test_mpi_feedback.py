@@ -6,11 +6,14 @@ The running sum of many AllReduce results of biased data stays within
 the ranks' last residuals of the exact running sum (the telescoping
 identity, checked to rounding), while without feedback the distance grows
 with every call; results are bitwise reproducible and identical on every
-rank; reset, shape changes, exact paths, flagged blocks and wrong use.
+rank; reset, shape changes, exact paths, flagged blocks and wrong use;
+Inf, NaN and overflow in one call of a sequence (the residual stays finite,
+later calls are within their bounds), and -0.0 passing unchanged.
 """
 import os
 import sys
 
+import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -283,3 +286,116 @@ def test_bound_holds_against_the_callers_values(opts, dtype):
             everywhere(all(e <= Fraction(float(b)) for e, b in zip(per_block, blocks)),
                        f"call {t}: every block within its bound")
             everywhere(len(set(WORLD.allgather(bound))) == 1, "one bound on every rank")
+
+
+DTYPES = [np.float32, np.float64, np.float16, "bfloat16"]
+
+
+def _dtype(dt):
+    return np.dtype(ml_dtypes.bfloat16 if dt == "bfloat16" else dt)
+
+
+def _name(v):
+    return v if isinstance(v, str) else np.dtype(v).name
+
+
+def _ids(v):
+    return "-".join(map(str, v.values())) if isinstance(v, dict) else _name(v)
+
+
+# (options, input dtype): the exact paths (auto picks one at this size),
+# and the quantized schedules with each wire
+SEQUENCES = ([(dict(algorithm=a), dt) for a in ("mpi", "shm") for dt in DTYPES]
+             + [(dict(algorithm="auto"), dt) for dt in (np.float16, "bfloat16")]
+             + [(dict(algorithm=a, wire=w), dt) for a in ("ring", "two_shot")
+                for w in ("int8", "bf16", "fp32") for dt in DTYPES]
+             + [(dict(algorithm="ring", wire=w), np.float16) for w in ("int4", "fp8")])
+
+
+@pytest.mark.parametrize("opts,dt", SEQUENCES, ids=_ids)
+def test_inf_nan_and_overflow_do_not_poison_later_calls(opts, dt):
+    """Call 1 has an Inf (rank 0), a NaN (the last rank) and values whose
+    sum overflows the type (every rank); calls 0 and 2-4 are finite.  The
+    residual stays finite, and every later result is finite and within
+    the bound it reports (a residual of Inf - Inf was NaN forever; a 16-bit
+    store's overflow left -Inf)."""
+    dt = _dtype(dt)
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    big = float(ml_dtypes.finfo(dt).max)
+    ef = ErrorFeedback()
+    with QuantizedComm(WORLD, **{"min_quantized_bytes": 0, **opts}) as qc:
+        for t in range(5):
+            # float32 values: their sums are exact in float64
+            x = biased(1024, np.float32, r + 5 * t).astype(dt)
+            if t == 1:
+                x[300:310] = 0.75 * big
+                if r == 0:
+                    x[7] = np.inf
+                if r == P - 1:
+                    x[600] = np.nan
+            with np.errstate(over="ignore"):
+                exact = WORLD.allreduce(x.astype(np.float64))
+            out = x.copy()
+            qc.Allreduce(MPI.IN_PLACE, out, feedback=ef)
+            got = out.astype(np.float64)
+            everywhere(np.isfinite(ef.residual).all(), f"call {t}: a finite residual")
+            if t == 1:
+                bad = ~(np.abs(exact) <= big)             # Inf, NaN, beyond dt
+                everywhere(got[7] == np.inf and np.isnan(got[600]),
+                           "call 1: Inf and NaN where an input had them")
+                everywhere(P == 1 or np.isinf(got[300:310]).all(), "call 1: the overflow is Inf")
+                got, exact = got[~bad], exact[~bad]
+            bound = qc.last_error_bound
+            everywhere(np.isfinite(got).all(), f"call {t}: finite results where the sums are")
+            err = np.abs(got - exact).max()
+            everywhere(err <= bound, f"call {t}: error {err:.3g} within the bound {bound:.3g}")
+
+
+@pytest.mark.parametrize("opts,dt", [(dict(algorithm=a), dt) for a in ("mpi", "shm")
+                                     for dt in DTYPES]
+                         + [(dict(algorithm="auto"), np.float32),
+                            (dict(algorithm="ring", wire="int8"), np.float32)]
+                         + [(dict(algorithm=a, wire="fp32"), dt) for a in ("ring", "two_shot")
+                            for dt in DTYPES], ids=_ids)
+def test_negative_zero_passes(opts, dt):
+    """A zero residual is the identity of the addition: where every rank
+    holds -0.0 the result has the sign it has without feedback, which on
+    the exact paths is MPI's -0.0; at one rank each call returns its
+    input bit for bit."""
+    dt = _dtype(dt)
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    ef = ErrorFeedback()
+    with QuantizedComm(WORLD, **{"min_quantized_bytes": 0, **opts}) as qc:
+        for t in range(3):
+            x = biased(1024, np.float32, r + 5 * t).astype(dt)
+            x[1::5] = -0.0
+            out = qc.allreduce(x, feedback=ef)
+            plain = qc.allreduce(x)
+            exact_path = qc.last_call.method in ("mpi", "shm", "copy")
+            sign, want = np.signbit(out[1::5]), np.signbit(plain[1::5])
+            everywhere((sign == want).all(), f"call {t}: -0.0 as without feedback "
+                                             f"({np.count_nonzero(sign != want)} differ)")
+            everywhere(not exact_path or sign.all(), f"call {t}: MPI's -0.0 on an exact path")
+            everywhere(P > 1 or out.tobytes() == x.tobytes(), f"call {t}: one rank: the input")
+
+
+@pytest.mark.parametrize("alg", ["mpi", "shm"])
+def test_exact_sum_that_overflows_carries_nothing(alg):
+    """A 16-bit exact call whose finite inputs overflow in the sum: the
+    result is Inf there, and that value's residual restarts at zero (it
+    kept the rounding of x + e)."""
+    P = WORLD.Get_size()
+    if P == 1:
+        return
+    x = np.random.default_rng(WORLD.Get_rank()).standard_normal(1024).astype(np.float16)
+    ef = ErrorFeedback()
+    with QuantizedComm(WORLD, algorithm="ring", min_quantized_bytes=0) as q:
+        q.Allreduce(MPI.IN_PLACE, x.copy(), feedback=ef)          # a residual everywhere
+    everywhere((ef.residual != 0).any(), "the quantized call left a residual")
+    x[7] = 0.75 * 65504
+    with QuantizedComm(WORLD, algorithm=alg) as q:
+        y = x.copy()
+        q.Allreduce(MPI.IN_PLACE, y, feedback=ef)
+    everywhere(np.isinf(y[7]), "the sum overflowed")
+    everywhere(ef.residual[7] == 0 and np.isfinite(ef.residual).all(),
+               f"residual there {ef.residual[7]}")
