@@ -26,7 +26,9 @@ Persistent requests (``Allreduce_init``) are Python objects with Start,
 Wait, Test and Free, as MPI.Prequest has (MPI offers no user-defined
 persistent requests): ``waitall``/``testall``/``startall`` here take any
 mix of them and MPI requests, and ``.request`` is the MPI request of the
-current round.
+current round.  As in MPI, a round is active from Start() until a Wait or
+Test (ours, or MPI's on ``.request``) completes it, and Start() on an
+active request raises; so does Start() once the communicator is freed.
 
 Needs MPI_THREAD_MULTIPLE (mpi4py asks for it by default; see
 ``MPI.Query_thread()``).  Without it a nonblocking call runs to completion
@@ -45,6 +47,9 @@ import time
 import weakref
 
 from mpi4py import MPI
+
+#: the error of a call on a freed communicator (QuantizedComm's own text)
+FREED = "equarx_mpi: this QuantizedComm has been freed"
 
 
 class PoliteRequest(MPI.Request):
@@ -85,12 +90,12 @@ class Executor:
     """Runs calls one at a time in the order they were made; started on
     the first nonblocking call."""
 
-    def __init__(self, comm):
-        self._comm = comm                 # for Abort only
+    def __init__(self):
         self._cv = threading.Condition()
         self._queue = collections.deque()
         self._pending = 0                 # queued or running
         self._thread = None
+        self.closed = False
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
     def in_thread(self):
@@ -104,6 +109,8 @@ class Executor:
 
     def submit(self, fn, arg):
         """Queue fn(arg); a Request completed when it has run."""
+        if self.closed:     # a persistent request's Start() after free(): no comm to run on
+            raise ValueError(FREED)
         g = MPI.Grequest.Start()
         req = Request(g)._setup()
         if not self.threaded:
@@ -141,6 +148,7 @@ class Executor:
 
     def close(self):
         self.drain()
+        self.closed = True
         if self._thread is not None:
             with self._cv:
                 self._queue.append(None)
@@ -168,10 +176,11 @@ class Executor:
             try:
                 info = fn(arg)
             except BaseException as exc:   # peers are inside the collective
-                sys.stderr.write(f"equarx_mpi: rank {self._comm.Get_rank()}: a queued call "
-                                 f"failed, aborting the job: {exc!r}\n")
+                # COMM_WORLD: the library's communicator may be the cause
+                sys.stderr.write(f"equarx_mpi: rank {MPI.COMM_WORLD.Get_rank()}: a queued "
+                                 f"call failed, aborting the job: {exc!r}\n")
                 sys.stderr.flush()
-                self._comm.Abort(1)
+                MPI.COMM_WORLD.Abort(1)
                 raise
             if g is not None:
                 self._finish(g, req, info)
@@ -195,11 +204,15 @@ class PersistentRequest:
         return MPI.REQUEST_NULL if self._req is None else self._req
 
     def Start(self):
-        if self._req is not None and not self._req._done.is_set():
-            raise ValueError("equarx_mpi: Start() on an active persistent request; "
-                             "Wait() for it first")
         if self._fn is None:
             raise ValueError("equarx_mpi: Start() on a freed persistent request")
+        if self._req is not None:
+            # active until a Wait or Test completes it, as in MPI: whether
+            # the round has finished by now differs between ranks
+            if self._req != MPI.REQUEST_NULL:
+                raise ValueError("equarx_mpi: Start() on an active persistent request; "
+                                 "Wait() for it first")
+            self.Wait()     # completed through .request by MPI's own Waitall or Testall
         self._req = self._exec.submit(self._fn, self._call)
 
     def Wait(self, status=None):

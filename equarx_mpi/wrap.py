@@ -21,12 +21,18 @@ Through the library's policy (QuantizedComm; lossy only where asked for):
     allreduce of anything else (scalars, lists, dicts; a Python function as
     op) is mpi4py's pickle-based allreduce.  All ranks of one call must pass
     the same kind: numpy float arrays everywhere, or nowhere.
-Dup/Clone/Idup/Split/Split_type/Create/Create_group return wrapped
-communicators with the same options (COMM_NULL stays COMM_NULL); Free()
-and free() also free the library's duplicates (use free() on a wrapped
-COMM_WORLD: MPI cannot Free that).  ``last_call`` and ``stats`` report
-what the calls did (comm.py CallInfo, Stats), in the order they were made
-once the nonblocking ones before have finished; each Start() of MPI's own
+Dup, Dup_with_info, Clone, Idup, Idup_with_info, Split, Split_type, Create,
+Create_group and the topologies (Create_cart, Create_graph,
+Create_dist_graph, Create_dist_graph_adjacent, a Cartcomm's Sub) return
+wrapped communicators of mpi4py's class for them (a wrapped Cartcomm, ...)
+with the same options; COMM_NULL stays COMM_NULL.  Inter-communicators
+(Create_intercomm, Spawn, Accept, Connect) are mpi4py's own: the library
+reduces on intra-communicators only (wrap an Intercomm's Merge() instead).
+Free() and free() also free the library's duplicates (use free() on a
+wrapped COMM_WORLD: MPI cannot Free that); Start() of a persistent request
+made before then raises.  ``last_call`` and ``stats`` report what the
+calls did (comm.py CallInfo, Stats), in the order they were made once the
+nonblocking ones before have finished; each Start() of MPI's own
 persistent request counts as a call (MPI.Prequest.Startall does not record).
 
 Every rank of comm must call wrap() (it is collective); options are those
@@ -40,7 +46,7 @@ from mpi4py import MPI
 from . import _callable_module, exact
 from .buffers import OPAQUE
 from .comm import QuantizedComm, Stats
-from .nonblocking import PersistentRequest
+from .nonblocking import FREED, PersistentRequest
 from .validate import QUANTIZED_DTYPES
 
 
@@ -62,10 +68,31 @@ def _mpi_class(cls):
     return next(c for c in cls.__mro__ if c.__module__ == "mpi4py.MPI")
 
 
+#: the methods (where base has them) whose new communicator is wrapped too.
+#: Not the inter-communicators (Create_intercomm, Spawn, Accept, Connect):
+#: the library reduces on intra-communicators only.
+_MAKERS = ("Dup", "Clone", "Dup_with_info", "Split", "Split_type", "Create", "Create_group",
+           "Create_cart", "Create_graph", "Create_dist_graph", "Create_dist_graph_adjacent",
+           "Sub")
+_NONBLOCKING_MAKERS = ("Idup", "Idup_with_info")      # return (comm, request)
+
+
+def _maker(method, nonblocking):
+    @functools.wraps(method)
+    def make(self, *args, **kwargs):
+        made = method(self, *args, **kwargs)
+        if nonblocking:
+            return _rewrap(made[0], self._eq_opts), made[1]
+        return _rewrap(made, self._eq_opts)
+    return make
+
+
 @functools.lru_cache(maxsize=None)
 def _wrapped_class(base):
+    makers = {name: _maker(getattr(base, name), name in _NONBLOCKING_MAKERS)
+              for name in _MAKERS + _NONBLOCKING_MAKERS if hasattr(base, name)}
     return type(f"Wrapped{base.__name__}", (_Wrapped, base),
-                {"__module__": __name__, "__doc__": __doc__})
+                {"__module__": __name__, "__doc__": __doc__, **makers})
 
 
 def _rewrap(comm, opts, new=False):
@@ -100,6 +127,10 @@ class _RecordedPrequest(MPI.Prequest):
     starts it without a record."""
 
     def Start(self):
+        # as the library's own request does; and Open MPI crashes on a
+        # persistent collective started after its communicator's Free()
+        if self._eq_qc._exec.closed:
+            raise ValueError(FREED)
         self._eq_qc._timed(self._eq_call, super().Start)
 
 
@@ -177,32 +208,7 @@ class _Wrapped:
         self.Allreduce(x, out, op)
         return out
 
-    # --- communicators made from this one are wrapped too -------------------------
-    def Dup(self, info=None):
-        return _rewrap(super().Dup(info), self._eq_opts)
-
-    def Clone(self):
-        return _rewrap(super().Clone(), self._eq_opts)
-
-    def Dup_with_info(self, info):
-        return _rewrap(super().Dup_with_info(info), self._eq_opts)
-
-    def Idup(self, info=None):
-        comm, req = super().Idup(info)
-        return _rewrap(comm, self._eq_opts), req
-
-    def Split(self, color=0, key=0):
-        return _rewrap(super().Split(color, key), self._eq_opts)
-
-    def Split_type(self, split_type, key=0, info=MPI.INFO_NULL):
-        return _rewrap(super().Split_type(split_type, key, info), self._eq_opts)
-
-    def Create(self, group):
-        return _rewrap(super().Create(group), self._eq_opts)
-
-    def Create_group(self, group, tag=0):
-        return _rewrap(super().Create_group(group, tag), self._eq_opts)
-
+    # (communicators made from this one: _MAKERS)
     def _eq_release(self):
         if self._eq_qc is not None:
             self._eq_qc.free()

@@ -173,3 +173,46 @@ def test_without_thread_multiple_requests_complete_at_once():
     ok = done and bits(out) == bits(blocking(q, x))
     q.free()
     everywhere(ok, "completed at the call")
+
+
+def wait_until_done(req):
+    deadline = time.monotonic() + 120
+    while not req._done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def test_requests_outlive_free():
+    q = QuantizedComm(WORLD, min_quantized_bytes=0)
+    x = data(3000)
+    outs = [np.empty_like(x) for _ in range(3)]
+    p, active = q.Allreduce_init(x, outs[0]), q.Allreduce_init(x, outs[1])
+    p.Start()
+    p.Wait()
+    active.Start()
+    r = q.Iallreduce(x, outs[2])
+    q.free()                      # completes the calls in flight
+    done = active.Test() and r.Test() and active.Wait() and r.Wait()
+    raises_everywhere(ValueError, p.Start, "has been freed")
+    raises_everywhere(ValueError, active.Start, "has been freed")
+    p.Free()
+    with QuantizedComm(WORLD, min_quantized_bytes=0) as q:
+        ref = blocking(q, x)
+    everywhere(done and all(bits(o) == bits(ref) for o in outs), "requests after free()")
+
+
+def test_persistent_request_is_active_until_completed(qc):
+    x = data(5000)
+    out = np.empty_like(x)
+    p = qc.Allreduce_init(x, out)
+    p.Start()
+    wait_until_done(p._req)       # finished, but not completed by Wait or Test
+    raises_everywhere(ValueError, p.Start, "active")
+    p.Wait()
+    p.Start()
+    MPI.Request.Waitall([p.request])    # completed by MPI's own call: inactive
+    p.Start()
+    ok = p.Test() or p.Wait()
+    p.Free()
+    raises_everywhere(ValueError, p.Start, "freed persistent request")
+    everywhere(ok and p.info is not None and bits(out) == bits(blocking(qc, x)),
+               "persistent request's states")

@@ -61,6 +61,59 @@ def test_is_the_same_communicator(w):
     everywhere(ok and bits(out) == bits(w.allreduce(x)), "wrapped communicators")
 
 
+@mpi
+def test_topologies_made_from_it_are_wrapped(w):
+    from equarx_mpi.wrap import _Wrapped
+    x = data()
+    ref = w.allreduce(x)
+    left, right = (RANK - 1) % P, (RANK + 1) % P
+    cart = w.Create_cart([P], periods=[True])
+    idup, req = w.Idup_with_info(MPI.INFO_NULL)
+    req.Wait()
+    made = {"cart": (cart, MPI.Cartcomm), "sub": (cart.Sub([True]), MPI.Cartcomm),
+            "graph": (w.Create_graph(list(range(1, P + 1)), [(i + 1) % P for i in range(P)]),
+                      MPI.Graphcomm),
+            "adjacent": (w.Create_dist_graph_adjacent([left], [right]), MPI.Distgraphcomm),
+            "dist": (w.Create_dist_graph([RANK], [1], [right]), MPI.Distgraphcomm),
+            "idup": (idup, MPI.Intracomm)}
+    ok = {}
+    for name, (c, cls) in made.items():
+        ok[name] = (isinstance(c, _Wrapped) and isinstance(c, cls)
+                    and bits(c.allreduce(x)) == bits(ref)
+                    and c.last_call.method == w.last_call.method)
+    ok["topology"] = (cart.Get_coords(RANK) == [RANK] and cart.Shift(0, 1) == (left, right)
+                      and made["sub"][0].Get_topo() == cart.Get_topo()
+                      and cart.neighbor_allgather(RANK) == [left, right]
+                      and made["adjacent"][0].neighbor_allgather(RANK) == [left])
+    for c, _ in made.values():
+        c.Free()
+    everywhere(all(ok.values()), f"communicators made from a wrapped one: {ok}")
+
+
+@mpi
+def test_persistent_requests_after_free(w):
+    x = data()
+    out = np.empty_like(x)
+    d = w.Dup()
+    p = d.Allreduce_init(x, out)        # quantized: the library's request
+    m = d.Allreduce_init(x, np.empty_like(x), MPI.MAX)      # MPI's own
+    kinds = (P == 1 or not isinstance(p, MPI.Prequest)) and isinstance(m, MPI.Prequest)
+    for r in (p, m):
+        r.Start()
+        r.Wait()
+    d.Free()
+    raises_everywhere(ValueError, p.Start, "has been freed")
+    raises_everywhere(ValueError, m.Start, "has been freed")    # (Open MPI would crash)
+    p.Free()
+    m.Free()
+    v = equarx_mpi.wrap(WORLD, min_quantized_bytes=0)
+    p = v.Allreduce_init(x, out)
+    v.free()
+    raises_everywhere(ValueError, p.Start, "has been freed")
+    p.Free()
+    everywhere(kinds, "both kinds of persistent request")
+
+
 @mpi2
 def test_other_calls_match_plain_peers(w):
     # odd ranks use the plain communicator: the wrapped one is the same handle
