@@ -91,7 +91,8 @@ for layout in ${LAYOUTS:-2x2 2x3 4x2}; do
     EQUARX_MPI_FAKE_NODES=$layout run_mpi $(( ${layout%x*} * ${layout#*x} )) \
         "faked layout of $layout nodes x ranks" -m "mpi and not large" \
         tests/test_mpi_hierarchical.py tests/test_mpi_auto.py \
-        tests/test_mpi_bound.py::test_hierarchical_bound_holds
+        tests/test_mpi_bound.py::test_hierarchical_bound_holds \
+        tests/test_mpi_nonfinite.py::test_hierarchical_nonfinite_blocks_are_mpis
 done
 
 # --- mpi4py's own collective buffer tests, their communicator wrapped -----------------

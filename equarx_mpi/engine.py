@@ -77,10 +77,14 @@ class Engine:
         self._plans.clear()
         self._ws = None
 
-    def allreduce(self, algorithm, send, recv, name, op, e_own=0.0, feedback=None):
+    def allreduce(self, algorithm, send, recv, name, op, e_own=0.0, feedback=None,
+                  fix_up=True):
         """recv = op over ranks of send (None: recv's values); flat arrays.
         ``e_own`` bounds the error this rank's input already carries;
-        ``feedback`` (an ErrorFeedback) notes what each quantization lost."""
+        ``feedback`` (an ErrorFeedback) notes what each quantization lost.
+        ``fix_up=False`` leaves the flagged blocks as they are, for the
+        caller to reduce from other values than send's (the hierarchical
+        schedule's): returns (their ranges, the bound of the others)."""
         own = recv if send is None else send
         n, B, P = recv.size, self.opts["block_size"], self.P
         nb = -(-n // B)
@@ -88,6 +92,8 @@ class Engine:
         shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
         ranges, tally = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0, e_own,
                                   feedback)
+        if not fix_up:
+            return ranges, self._bound(tally, 0.0, n, 0)
         fixed, fix = exact.fix_allreduce(self.comm, ranges, own, recv, op, e_own)
         return fixed, self._bound(tally, fix, n, 0)
 

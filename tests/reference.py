@@ -233,6 +233,8 @@ def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce", 
             r = (first + hop) % P
             with np.errstate(invalid="ignore", over="ignore"):
                 part = reduce(op, own[r][sl], codec.dequantize(wire, block))
+            if op != "sum":     # MIN(+Inf, x) is x: an own Inf or NaN keeps the block flagged
+                part = np.where(_nonfinite_blocks(own[r][sl], block), np.nan, part)
             if op == "sum":                         # rounding of the addition
                 bound[sl] += u * np.abs(part.astype(np.float64))
             if hop == P - 1 and kind == "reduce_scatter":

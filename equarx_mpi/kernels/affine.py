@@ -218,7 +218,8 @@ def af_decode(heads, codes, out, block, levels, skipped):
 @njit(inline='always', **CACHE)
 def _reduce_block(own, heads, codes, b, lo_i, m, levels, op, scratch):
     """scratch[:m] = own[lo_i:lo_i+m] (op) D(block b); returns the largest
-    magnitude bits (those of Inf for a flagged block, scratch unset).
+    magnitude bits (at least those of Inf for a flagged block, scratch
+    unset, and for a MAX or MIN whose own values hold Inf or NaN).
     Decodes into scratch first, then combines: two tight loops over a
     block that stays in cache."""
     mx = abs_bits(as_acc(heads, 0))
@@ -231,10 +232,15 @@ def _reduce_block(own, heads, codes, b, lo_i, m, levels, op, scratch):
             scratch[j] = v
             mx = max(mx, abs_bits(v))
     else:
+        mo = mx
         for j in range(m):
-            v = reduce2(op, load(own, _U(lo_i + j)), scratch[j])
+            x = load(own, _U(lo_i + j))
+            v = reduce2(op, x, scratch[j])
             scratch[j] = v
             mx = max(mx, abs_bits(v))
+            mo = max(mo, abs_bits(x))
+        if mo >= abs_bits(as_acc(heads, np.inf)):
+            return mo                 # MIN(+Inf, x) is x: the block stays flagged
     return mx
 
 

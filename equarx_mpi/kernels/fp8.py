@@ -208,7 +208,8 @@ def f8_decode(header, codes, out, block, skipped):
 @njit(inline='always', **CACHE)
 def _reduce_block(own, header, codes, b, lo, m, op, scratch):
     """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
-    magnitude bits (those of Inf for a flagged block, scratch unset)."""
+    magnitude bits (at least those of Inf for a flagged block, scratch
+    unset, and for a MAX or MIN whose own values hold Inf or NaN)."""
     a = header[b]
     mx = abs_bits(as_acc(header, 0))
     if not abs(a) < np.inf:
@@ -220,11 +221,16 @@ def _reduce_block(own, header, codes, b, lo, m, op, scratch):
             scratch[j] = v
             mx = max(mx, abs_bits(v))
     else:
+        mo = mx
         for j in range(m):
             i = _U(lo + j)
-            v = reduce2(op, load(own, i), scaled(a, codes[i]) * a)
+            x = load(own, i)
+            v = reduce2(op, x, scaled(a, codes[i]) * a)
             scratch[j] = v
             mx = max(mx, abs_bits(v))
+            mo = max(mo, abs_bits(x))
+        if mo >= abs_bits(as_acc(header, np.inf)):
+            return mo                 # MIN(+Inf, x) is x: the block stays flagged
     return mx
 
 

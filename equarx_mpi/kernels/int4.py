@@ -147,7 +147,8 @@ def i4_decode(header, codes, out, block, skipped):
 @njit(inline='always', **CACHE)
 def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
     """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
-    magnitude bits (those of Inf for a flagged block, scratch unset).
+    magnitude bits (at least those of Inf for a flagged block, scratch
+    unset, and for a MAX or MIN whose own values hold Inf or NaN).
     Decodes into scratch first, then combines: two tight loops over a
     block that stays in cache."""
     a = header[b]
@@ -167,10 +168,15 @@ def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
             scratch[j] = v
             mx = max(mx, abs_bits(v))
     else:
+        mo = mx
         for j in range(m):
-            v = reduce2(op, load(own, _U(lo + j)), scratch[j])
+            x = load(own, _U(lo + j))
+            v = reduce2(op, x, scratch[j])
             scratch[j] = v
             mx = max(mx, abs_bits(v))
+            mo = max(mo, abs_bits(x))
+        if mo >= abs_bits(as_acc(header, np.inf)):
+            return mo                 # MIN(+Inf, x) is x: the block stays flagged
     return mx
 
 

@@ -20,7 +20,10 @@ An all-zero block has a = 0 and codes 0 (+0.0) or -1 (-0.0): decoding gives
 *flagged*: a = +Inf and codes 0.  Decoding skips flagged blocks (they are
 left untouched, their indices written to ``skipped``) and the caller
 reduces them exactly; a fused hop turns a flagged input block into a
-flagged output block.  Decoding into a 16-bit type also skips a block
+flagged output block, and so does a MAX or MIN hop whose own values hold
+Inf or NaN (MIN(+Inf, x) is x: the flag must not fade along the ring, so
+every block holding Inf or NaN in any rank's input ends flagged; a SUM
+keeps them by itself).  Decoding into a 16-bit type also skips a block
 whose largest magnitude rounds to Inf there (common.out_limit).
 
 Directed rounding (ROUND_UP / ROUND_DOWN, for MAX / MIN) takes the ceiling
@@ -190,7 +193,8 @@ def i8_decode(header, codes, out, block, skipped):
 @njit(inline='always', **CACHE)
 def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
     """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
-    magnitude bits (those of Inf for a flagged block, scratch unset)."""
+    magnitude bits (at least those of Inf for a flagged block, scratch
+    unset, and for a MAX or MIN whose own values hold Inf or NaN)."""
     a = header[b]
     mx = abs_bits(as_acc(header, 0))
     if not abs(a) < np.inf:
@@ -202,11 +206,16 @@ def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
             scratch[j] = v
             mx = max(mx, abs_bits(v))
     else:
+        mo = mx
         for j in range(m):
             i = _U(lo + j)
-            v = reduce2(op, load(own, i), (as_acc(header, codes[i]) * k) * a)
+            x = load(own, i)
+            v = reduce2(op, x, (as_acc(header, codes[i]) * k) * a)
             scratch[j] = v
             mx = max(mx, abs_bits(v))
+            mo = max(mo, abs_bits(x))
+        if mo >= abs_bits(as_acc(header, np.inf)):
+            return mo                 # MIN(+Inf, x) is x: the block stays flagged
     return mx
 
 
