@@ -18,7 +18,7 @@ from .buffers import OPAQUE
 from .calls import Call, CallInfo, Counting, Stats, uncompressed_bytes  # noqa: F401 (public here)
 from .engine import Engine
 from .feedback import check as feedback_error
-from .nonblocking import Executor, PersistentRequest
+from .nonblocking import FREED, Executor, PersistentRequest
 from .nodes import split_nodes
 from .validate import BFLOAT16, check_buffers, op_name
 
@@ -111,7 +111,7 @@ class QuantizedComm:
         self._totals = [0, 0, 0, 0, 0.0]      # Stats' fields, summed
         self._lock = threading.Lock()
         self._log = options.logging() and self._comm.Get_rank() == 0
-        self._exec = Executor(self._comm)
+        self._exec = Executor()
 
     @property
     def stats(self):
@@ -208,7 +208,7 @@ class QuantizedComm:
         the same memory (one such buffer at a time), valid until free().
         Elsewhere, or for types the window does not reduce, a plain array."""
         if self._comm is None:
-            raise ValueError("equarx_mpi: this QuantizedComm has been freed")
+            raise ValueError(FREED)
         dtype = np.dtype(dtype)
         if self.layout.one_node and self._size > 1 and (dtype.kind == "f" or dtype == BFLOAT16) \
                 and dtype.itemsize <= 8:
@@ -241,7 +241,7 @@ class QuantizedComm:
         with the rest; ``persistent``: the values come later, so each run
         finds it (_execute)."""
         if self._comm is None:
-            raise ValueError("equarx_mpi: this QuantizedComm has been freed")
+            raise ValueError(FREED)
         P = self._size
         send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok)
         name = "sum" if what == "Allgather" else (
@@ -254,14 +254,6 @@ class QuantizedComm:
             else:
                 method, reason = self._choose(what, name, recv.dtype, nbytes,
                                               feedback is not None, opaque_ok)
-        # a window buffer or none, on every rank (shm.py's base); a field for
-        # every method, so that a rank whose checks failed (method "mpi")
-        # agrees with the same number of fields as the others; with feedback
-        # the input is the feedback's own array, never one
-        meta = meta + [("window buffer", int(method == "shm" and feedback is None and
-                                             self._shm is not None and
-                                             self._shm.is_window_buffer(
-                                                 recv if send is None else send)))]
         if feedback is not None and err is None:
             err = feedback_error(feedback, name, recv, method)
         # with feedback the values reduced are known only when the call runs
@@ -406,18 +398,18 @@ class QuantizedComm:
             return e.allreduce(c.method, c.send, c.recv, c.name, c.op, e_own,
                                c.feedback) + (e.record,)
         hier, between = self._hierarchy()
-        fixed = [0]
+        B = self.block_size
 
         def across(comm, mine, e_own):
-            f, err = between.allreduce(_INNER[self.wire in formats.MANY_INPUT_WIRES], None,
-                                       mine.reshape(-1), c.name, c.op, e_own)
-            fixed[0] += f
-            return err
-        err, slices = hier.allreduce(c.recv if c.send is None else c.send, c.recv, c.op, across)
-        B = self.block_size
+            # flagged blocks are left to the hierarchy: MPI reduces them from
+            # every rank's input, not from the node results
+            return between.allreduce(_INNER[self.wire in formats.MANY_INPUT_WIRES], None,
+                                     mine.reshape(-1), c.name, c.op, e_own, fix_up=False)
+        err, slices, fixed = hier.allreduce(c.recv if c.send is None else c.send, c.recv, c.op,
+                                            across, B)
         rec = bound.Record(c.recv.size, B, [(lo, hi, np.full(-(-(hi - lo) // B), b))
                                             for lo, hi, b in slices if hi > lo])
-        return fixed[0], err, rec
+        return fixed, err, rec
 
     def _window(self):
         """The shared window of the exact one-node method (made on first use)."""

@@ -13,23 +13,27 @@ and bfloat16 and rounded once: bitwise the same on every rank and every call.
 Window layout: one allocation by node rank 0 (so the layout is ours, not the
 MPI library's), cut into P slots of ``stride`` bytes, slot k for rank k:
 
-    [ data: cap bytes | result: rcap bytes | one-shot area 0 | one-shot area 1 | magnitude ]
+    [ data: cap bytes | result: rcap bytes | one-shot area 0 | one-shot area 1 | control ]
 
 Two-phase schedule (messages above ONESHOT_BYTES):
   reduce_scatter: rank k copies its input, all but its own slice, into its
-      data slot (skipped when the input is that slot, see empty()); sync;
-      rank i reduces slice i of every data slot (its own from its input)
-      into its result region (and into its own recv).
+      data slot, after its empty() buffer if it lent one (no copy when the
+      input is that buffer), and writes where its data starts into its
+      control line; sync; rank i reduces slice i of every data slot, each
+      read where its rank said (its own from its input), into its result
+      region (and into its own recv).
   allgather: sync; every rank copies slice j from rank j's result region.
-Nothing else needs a barrier: data slots are read only between the two
-syncs of a call, and result regions are written only after the first sync
-of the next call, which no rank passes before every rank has finished
-copying out.  A SUM's kernels also find the largest finite input magnitude
-of their slice (the exact sum's error bound needs it); each rank writes its
-slice's into its magnitude line with its result, and reads every rank's
-after the second sync, so allreduce returns the largest over all inputs
-with no extra pass or message.  The one-shot schedule reads every input
-and finds it alone.  Slices are whole 64-byte lines, so no two ranks write one line.
+So whether its input is its empty() buffer is each rank's own business.
+Nothing else needs a barrier: data slots and data starts are written before
+the first sync of a call and read only between its two syncs, and result
+regions are written only after the first sync of the next call, which no
+rank passes before every rank has finished copying out.  A SUM's kernels
+also find the largest finite input magnitude of their slice (the exact
+sum's error bound needs it); each rank writes its slice's into its control
+line with its result, and reads every rank's after the second sync, so
+allreduce returns the largest over all inputs with no extra pass or
+message.  The one-shot schedule reads every input and finds it alone.
+Slices are whole 64-byte lines, so no two ranks write one line.
 
 One-shot schedule (small messages, latency-bound): copy in to one-shot area
 (call count mod 2); sync; every rank reduces the whole message itself.  One
@@ -103,13 +107,17 @@ class ShmAllreduce:
         self.oneshot_bytes = ONESHOT_BYTES if oneshot_bytes is None else int(oneshot_bytes)
         self.P, self.rank = node.Get_size(), node.Get_rank()
         self._win = self._mem = None    # the current window and its bytes
+        self._most = self._at = None    # control words (see reserve)
         self._retired = []      # older windows that empty() buffers still point into
         self._lent = False      # whether empty() handed out part of the current one
         self._lent_bytes = 0    # its size; other inputs are copied in after it
         self.cap = self._rcap = self._stride = 0
-        self._views = {}        # dtype -> flat array over the window; "magnitudes"
+        self._views = {}        # dtype -> flat array over the window
         self._plans = {}        # message shape -> views (see _plan)
         self._acc = {d: np.empty(SK.TILE, d) for d in (np.dtype(np.float32), np.dtype(np.float64))}
+        # data starts at 0 (the one-shot areas), strided like the control
+        # words, so that the kernel is compiled once for both
+        self._at_zero = np.zeros((self.P, 2), np.int64)[:, 0]
         self._oneshots = 0
         self._pending = None    # (n, kernel dtype, result dtype, base) between the halves
         self._warmed = set()
@@ -161,6 +169,11 @@ class ShmAllreduce:
         self._mem = raw[pad:pad + self.P * stride]
         self.cap, self._rcap, self._stride = cap, rcap, stride
         self._views, self._plans = {}, {}
+        # one value per slot from its control line: its largest magnitude,
+        # and where its data starts (in values of the call's type)
+        first, step = (stride - LINE) // 8, stride // 8
+        self._most = self._mem.view(np.float64)[first::step]
+        self._at = self._mem.view(np.int64)[first + 1::step]
 
     def _view(self, dtype):
         v = self._views.get(dtype)
@@ -181,11 +194,12 @@ class ShmAllreduce:
     def empty(self, shape, dtype):
         """Collective (every rank passes the same shape and dtype): an
         uninitialised array in this rank's data slot.  As sendbuf (or recvbuf
-        in place) of allreduce/reduce_scatter it saves the copy in; other
-        inputs are then copied in after it, so it keeps its values.  Every
-        call returns the same memory (one such buffer at a time).  It stays
-        valid until free(), also after the window grows, but then it is no
-        longer the slot and is copied like any other array."""
+        in place) of allreduce/reduce_scatter it saves the copy in, whatever
+        the other ranks pass; other inputs are then copied in after it, so
+        it keeps its values.  Every call returns the same memory (one such
+        buffer at a time).  It stays valid until free(), also after the
+        window grows, but then it is no longer the slot and is copied like
+        any other array."""
         dtype = np.dtype(dtype)
         if dtype not in _TYPES:
             raise TypeError(f"ShmAllreduce.empty: unsupported dtype {dtype}")
@@ -275,7 +289,7 @@ class ShmAllreduce:
                              f"recvbuf {recv.size}")
         kd = _TYPES[recv.dtype][0]
         out = recv.reshape(-1).view(kd)
-        return _readonly(out if send is None else send.reshape(-1).view(kd)), out, kop
+        return SK.readonly(out if send is None else send.reshape(-1).view(kd)), out, kop
 
     def _warm(self, kd):
         # Compile (or load from numba's cache) on node rank 0 first, so that
@@ -284,49 +298,35 @@ class ShmAllreduce:
             return
         for turn in (0, 1):
             if (self.rank == 0) == (turn == 0):
-                acc = _ACC_OF_KERNEL[kd]
-                x, f = np.zeros(2 * LINE, kd), np.zeros(LINE, acc)
-                ro = _readonly(x)
-                for out, out2 in ((x[:1], x[:0]), (f[:1], x[:0]), (x[:1], x[1:2])):
-                    SK.reduce_pair(ro, 0, x, LINE, 1, K.OP_SUM, out, out2)
-                    SK.reduce_pair(x, 0, ro, LINE, 1, K.OP_SUM, out, out2)
-                    SK.reduce_slots(x, LINE, 2, 1, ro, 0, 1, K.OP_SUM, f, out, out2)
-                SK.convert(f[:1], x[:1])
+                SK.warm(kd, _ACC_OF_KERNEL[kd], self._at_zero)
             self.comm.Barrier()
         self._warmed.add(kd)
 
-    def _reduce(self, win, stride, own, lo, hi, kop, out, out2):
-        """Slice [lo, hi) of every slot, this rank's read from own; returns
-        the largest finite magnitude read (SUM)."""
+    def _reduce(self, win, stride, at, own, lo, hi, kop, out, out2):
+        """Slice [lo, hi) of every slot, slot k's data starting at[k] values
+        into it (None: at 0), this rank's read from own; returns the largest
+        finite magnitude read (SUM)."""
         if self.P == 2:
-            x0, b0, x1, b1 = ((own, lo, win, stride + lo) if self.rank == 0
-                              else (win, lo, own, lo))
+            b = lo if at is None else lo + at.item(1 - self.rank)
+            x0, b0, x1, b1 = (own, lo, win, stride + b) if self.rank == 0 else (win, b, own, lo)
             return SK.reduce_pair(x0, b0, x1, b1, hi - lo, kop, out, out2)
         acc = self._acc[_ACC_OF_KERNEL[win.dtype]]
-        return SK.reduce_slots(win, stride, self.P, self.rank, own, lo, hi, kop, acc, out, out2)
-
-    def _magnitudes(self):
-        """Every rank's magnitude line, as float64 (one value per slot)."""
-        m = self._views.get("magnitudes")
-        if m is None:
-            v = self._view(np.dtype(np.float64))
-            step, first = self._stride // 8, (self._stride - LINE) // 8
-            m = self._views["magnitudes"] = v[first::step][:self.P]
-        return m
+        return SK.reduce_slots(win, stride, self._at_zero if at is None else at, self.P,
+                               self.rank, own, lo, hi, kop, acc, out, out2)
 
     def _plan(self, n, kd, rd, base):
         """Views of the two-phase schedule for n values of kernel type kd
-        with results of type rd, the data starting ``base`` bytes into each
-        slot, built once per window and message shape: (window, slot
-        stride, own data slot and its address, every rank's (lo, hi, result
-        region))."""
+        with results of type rd, this rank's data starting ``base`` bytes
+        into its slot, built once per window and message shape: (window,
+        slot stride, own data slot and its address, every rank's (lo, hi,
+        result region))."""
         key = (n, kd, rd, base)
         plan = self._plans.get(key)
         if plan is None:
             s = kd.itemsize
             win, stride = self._view(kd), self._stride // s
-            win = win[base // s:]
-            slot = win[self.rank * stride:self.rank * stride + n]
+            first = self.rank * stride + base // s
+            slot = win[first:first + n]
             parts = []
             for k in range(self.P):
                 lo, hi = slice_bounds(n, s, self.P, k)
@@ -337,12 +337,10 @@ class ShmAllreduce:
 
     def _reduce_scatter(self, src, kop, keep_acc, own_out):
         n, kd = src.size, src.dtype
-        # other inputs go after a lent empty() buffer, which keeps its values
-        # (callers agree on whether the input is that buffer: then every
-        # rank picks the same base)
+        # room for the input after a lent empty() buffer, which then keeps
+        # its values: the same size on every rank, whatever each passes
+        self.reserve(max(self._lent_bytes + n * kd.itemsize, 1))
         base = 0 if self.is_window_buffer(src) else self._lent_bytes
-        self.reserve(max(base + n * kd.itemsize, 1))
-        base = min(base, self._lent_bytes)      # 0 if the window just grew
         self._warm(kd)
         rd = _ACC_OF_KERNEL[kd] if keep_acc else kd
         win, stride, slot, addr, parts = self._plan(n, kd, rd, base)
@@ -352,9 +350,11 @@ class ShmAllreduce:
             # from src itself
             np.copyto(slot[:lo], src[:lo])
             np.copyto(slot[hi:], src[hi:])
+        self._at[self.rank] = base // kd.itemsize
         self._sync()
-        self._magnitudes()[self.rank] = self._reduce(
-            win, stride, src, lo, hi, kop, res, win[:0] if own_out is None else own_out[lo:hi])
+        self._most[self.rank] = self._reduce(
+            win, stride, self._at, src, lo, hi, kop, res,
+            win[:0] if own_out is None else own_out[lo:hi])
         self._pending = (n, kd, rd, base)
         return res
 
@@ -370,7 +370,7 @@ class ShmAllreduce:
                 np.copyto(out[lo:hi], res)
             else:
                 SK.convert(res, out[lo:hi])
-        return float(self._magnitudes().max())
+        return float(self._most.max())
 
     def _oneshot(self, src, out, kop):
         n, kd = src.size, src.dtype
@@ -391,15 +391,7 @@ class ShmAllreduce:
         self._oneshots += 1
         np.copyto(area, src)
         self._sync()
-        return self._reduce(win, stride, src, 0, n, kop, out, win[:0])
-
-
-def _readonly(a):
-    """A read-only view: the kernels then see one array type for every
-    caller's input, writable or not (one compiled version, not two)."""
-    v = a.view()
-    v.flags.writeable = False
-    return v
+        return self._reduce(win, stride, None, src, 0, n, kop, out, win[:0])
 
 
 def _address(a):

@@ -3,7 +3,8 @@
 Pure functions on contiguous 1-D arrays.  The window is one flat array in
 the kernels' element type (float32, float64, or the bits of float16 as int16
 and of bfloat16 as uint16, see equarx_mpi/kernels.py); slot k starts at
-``k * stride``.  The ``op`` argument is 0 for SUM, 1 for MAX, 2 for MIN.
+``k * stride`` and its data ``at[k]`` values into it (each rank says where
+its own starts).  The ``op`` argument is 0 for SUM, 1 for MAX, 2 for MIN.
 
 The reduction of slice [lo, hi) is, for every j in it,
 
@@ -75,12 +76,13 @@ def _absmax_tile(src, b, m, mx):
 
 
 @njit(**_CACHE)
-def reduce_slots(win, stride, P, me, own, lo, hi, op, acc, out, out2):
+def reduce_slots(win, stride, at, P, me, own, lo, hi, op, acc, out, out2):
     """out[:hi-lo] = the reduction over k = 0..P-1, in that order, of slot
-    k's values [lo, hi): win[k*stride + lo : k*stride + hi], except that slot
-    ``me`` is read from own[lo:hi] (the caller's own input, which then need
-    not be copied into the window; me = -1: none).  The same into out2
-    unless out2 is empty.  Returns the largest finite magnitude read (SUM).
+    k's values [lo, hi): win[k*stride + at[k] + lo : k*stride + at[k] + hi],
+    except that slot ``me`` is read from own[lo:hi] (the caller's own input,
+    which then need not be copied into the window; me = -1: none).  The
+    same into out2 unless out2 is empty.  Returns the largest finite
+    magnitude read (SUM).
 
     acc is scratch in the accumulation type (its size is the tile).  Each
     tile is read once from every slot and written once: one pass over
@@ -97,11 +99,11 @@ def reduce_slots(win, stride, P, me, own, lo, hi, op, acc, out, out2):
             if op == OP_SUM:
                 mx = _absmax_tile(own, b, m, mx)
         else:
-            _load_tile(acc, win, b, m)
+            _load_tile(acc, win, b + np.uint64(at[0]), m)
             if op == OP_SUM:
-                mx = _absmax_tile(win, b, m, mx)
+                mx = _absmax_tile(win, b + np.uint64(at[0]), m, mx)
         for k in range(1, P):
-            src, sb = (own, b) if k == me else (win, b + np.uint64(k * stride))
+            src, sb = (own, b) if k == me else (win, b + np.uint64(k * stride + at[k]))
             _reduce_tile(acc, src, sb, m, op)
             if op == OP_SUM:
                 mx = _absmax_tile(src, sb, m, mx)
@@ -144,3 +146,25 @@ def convert(src, dst):
     """dst = src rounded to dst's type (float32 -> float16/bfloat16 bits)."""
     for i in range(dst.size):
         store(dst, np.uint64(i), load(src, np.uint64(i)))
+
+
+def readonly(a):
+    """A read-only view: the kernels then see one array type for every
+    caller's input, writable or not (one compiled version, not two)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def warm(kd, acc, at):
+    """Compile (or load) every kernel for kernel type kd, accumulation type
+    acc and the data starts ``at`` (len(at) slots) as equarx_mpi/shm.py
+    calls them."""
+    P = at.size
+    x, f = np.zeros(max(2, P) * 64, kd), np.zeros(64, acc)
+    ro = readonly(x)
+    for out, out2 in ((x[:1], x[:0]), (f[:1], x[:0]), (x[:1], x[1:2])):
+        reduce_pair(ro, 0, x, 64, 1, OP_SUM, out, out2)
+        reduce_pair(x, 0, ro, 64, 1, OP_SUM, out, out2)
+        reduce_slots(x, 64, at, P, P - 1, ro, 0, 1, OP_SUM, f, out, out2)
+    convert(f[:1], x[:1])

@@ -150,7 +150,9 @@ def run_kernels(args):
             def fused(out2):
                 if P == 2:
                     return lambda: SK.reduce_pair(win, 0, own, 0, m, 0, out, out2)
-                return lambda: SK.reduce_slots(win, stride, P, 1, own, 0, m, 0, acc, out, out2)
+                # every slot's data at its start, strided as shm's control words
+                at = np.zeros((P, 2), np.int64)[:, 0]
+                return lambda: SK.reduce_slots(win, stride, at, P, 1, own, 0, m, 0, acc, out, out2)
 
             def numpy_adds():
                 np.add(rows[0], rows[1], out)

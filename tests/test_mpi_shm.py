@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from equarx_mpi import QuantizedComm
 from equarx_mpi.exact import largest
 from equarx_mpi.nodes import FAKE_NODES_ENV, parse_nodes, split_nodes
 from equarx_mpi.shm import ShmAllreduce
 
+import mpi_helpers
 from reference import BF16
 
 DTYPES = [np.float32, np.float64, np.float16, BF16]
@@ -24,8 +26,7 @@ OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 
 
 def everywhere(comm, ok, what):
-    bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
-    assert not bad, f"{what} failed on ranks {bad}"
+    mpi_helpers.everywhere(ok, what, comm)
 
 
 def same_on_all_ranks(comm, arr):
@@ -326,3 +327,88 @@ def test_back_to_back_calls(n):
             sh.allreduce(xs[r] * np.float32(call), out)
             ok &= equal_bits(out, fixed_order([x * np.float32(call) for x in xs]))
     everywhere(w, ok, "every call's result")
+
+
+def mixed_calls(allreduce, empty, P, r, dtype, sizes, ops, want):
+    """In place and as sendbuf, with a window buffer on some ranks only: a
+    description of each result that differs from want(xs, op) (the result
+    of ordinary buffers everywhere), or of a window buffer that lost its
+    values while another array was the input, or while it was the sendbuf."""
+    bad = []
+    for n in sizes:
+        w = empty(n, dtype)
+        for opname, op in ops.items():
+            xs = inputs(P, n, dtype, seed=n + len(opname))
+            ref, keep = want(xs, op), xs[r] * 2
+            # which ranks pass their window buffer: the first, the odd, the last
+            for pattern, mine in (("first", r == 0), ("odd", r % 2 == 1), ("last", r == P - 1)):
+                where = f"n={n} {opname} {pattern}"
+                w[...] = xs[r] if mine else keep
+                buf = w if mine else xs[r].copy()
+                allreduce(MPI.IN_PLACE, buf, op)
+                if not equal_bits(buf, ref):
+                    bad.append(f"{where} in place: wrong result")
+                if not (mine or equal_bits(w, keep)):
+                    bad.append(f"{where} in place: window buffer changed")
+                w[...] = xs[r] if mine else keep
+                out = np.full(n, 7, dtype)
+                allreduce(w if mine else xs[r], out, op)
+                if not equal_bits(out, ref):
+                    bad.append(f"{where} sendbuf: wrong result")
+                if not equal_bits(w, xs[r] if mine else keep):
+                    bad.append(f"{where} sendbuf: window buffer changed")
+    return bad
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_window_buffer_on_some_ranks_only(shm, dtype):
+    """Whether a rank passes its empty() buffer is its own business: the
+    others read its slot where its data starts, whatever they pass."""
+    comm = shm.comm
+    P, r = comm.Get_size(), comm.Get_rank()
+    bad = mixed_calls(shm.allreduce, shm.empty, P, r, dtype, (1000, 40000), OPS, fixed_order)
+    everywhere(comm, not bad, f"window buffer on some ranks: {bad[:4]}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("check", [True, False], ids=["check", "no-check"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_quantized_comm_window_buffer_on_some_ranks_only(check, dtype):
+    """qc.empty() on some ranks only, with and without the agreement: the
+    bits of ordinary buffers everywhere (no error: nothing documents that
+    ranks must agree on it).  Reduce_scatter_block does not use the window,
+    but takes a window buffer too."""
+    w = MPI.COMM_WORLD
+    P, r = w.Get_size(), w.Get_rank()
+    with QuantizedComm(w, algorithm="shm", min_quantized_bytes=0, check=check) as qc:
+        def plain(xs, op):
+            out = np.empty_like(xs[r])
+            qc.Allreduce(xs[r], out, op)
+            return out
+        bad = mixed_calls(qc.Allreduce, qc.empty, P, r, dtype, (1000, 100000), OPS, plain)
+        everywhere(w, not bad and qc.last_call.method == "shm",
+                   f"window buffer on some ranks ({qc.last_call.method}): {bad[:4]}")
+        m = 10000
+        xs = inputs(P, P * m, dtype, seed=2)
+        want, got = np.empty(m, dtype), np.empty(m, dtype)
+        qc.Reduce_scatter_block(xs[r], want)
+        window = qc.empty(P * m, dtype)              # collective
+        window[...] = xs[r]
+        qc.Reduce_scatter_block(window if r == 0 else xs[r], got)
+        everywhere(w, equal_bits(got, want), "Reduce_scatter_block from a window buffer")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_window_buffer_on_rank_0_only_at_64_mib():
+    """Where auto takes the window: rank 0's window buffer in place, the
+    others' ordinary arrays, check=False."""
+    w, n = MPI.COMM_WORLD, 16 << 20
+    x = inputs(1, n, np.float32, seed=w.Get_rank())[0]
+    with QuantizedComm(w, algorithm="auto", check=False) as qc:
+        plain = qc.allreduce(x)
+        window = qc.empty(n, np.float32)             # collective
+        buf = window if w.Get_rank() == 0 else np.empty(n, np.float32)
+        buf[...] = x
+        qc.Allreduce(MPI.IN_PLACE, buf)
+        everywhere(w, equal_bits(buf, plain), f"{qc.last_call.method}: ordinary arrays' bits")
