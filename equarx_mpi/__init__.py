@@ -12,11 +12,11 @@ __version__ = "0.2.0"
 __all__ = ["QuantizedComm", "CallInfo", "Stats", "ErrorFeedback", "allreduce", "wrap", "warmup",
            "waitall", "testall", "startall", "abort_on_exception", "QUANTIZED_DTYPES",
            "__version__"]
-_WHERE = {"QuantizedComm": "comm", "CallInfo": "comm", "Stats": "comm",
+_WHERE = {"QuantizedComm": "comm", "CallInfo": "call.records", "Stats": "call.records",
           "ErrorFeedback": "feedback", "allreduce": "helper",
-          "wrap": "wrap", "warmup": "warmup", "waitall": "nonblocking",
-          "testall": "nonblocking", "startall": "nonblocking",
-          "abort_on_exception": "agree", "QUANTIZED_DTYPES": "validate"}
+          "wrap": "wrapping", "warmup": "warmup", "waitall": "call.nonblocking",
+          "testall": "call.nonblocking", "startall": "call.nonblocking",
+          "abort_on_exception": "call.agree", "QUANTIZED_DTYPES": "names"}
 
 
 def __getattr__(name):
@@ -27,15 +27,3 @@ def __getattr__(name):
         return value
     raise AttributeError(f"module 'equarx_mpi' has no attribute {name!r}")
 
-
-def _callable_module(name, fn):
-    """Make module ``name`` call ``fn``: ``equarx_mpi.wrap`` and
-    ``equarx_mpi.warmup`` name both a module and its function, and importing
-    the module sets the package's attribute to the module."""
-    import sys
-    import types
-
-    class CallableModule(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            return fn(*args, **kwargs)
-    sys.modules[name].__class__ = CallableModule

@@ -12,15 +12,20 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from . import bound, costmodel, exact, formats, options, policy, profiles, tolerance
-from .agree import abort_on_exception, agree, raise_agreed
-from .buffers import OPAQUE
-from .calls import Call, CallInfo, Counting, Stats, uncompressed_bytes  # noqa: F401 (public here)
-from .engine import Engine
-from .feedback import check as feedback_error
-from .nonblocking import FREED, Executor, PersistentRequest
-from .nodes import split_nodes
-from .validate import BFLOAT16, check_buffers, op_name
+from equarx_mpi.bounds import bound, tolerance
+from equarx_mpi.call import options, policy
+from equarx_mpi.call.agree import abort_on_exception, agree, raise_agreed
+from equarx_mpi.call.buffers import OPAQUE
+from equarx_mpi.call.nonblocking import FREED, Executor, PersistentRequest
+from equarx_mpi.call.records import Call, CallInfo, Stats, uncompressed_bytes  # noqa: F401 (public here)
+from equarx_mpi.call.validate import check_buffers, op_name
+from equarx_mpi.collectives import exact
+from equarx_mpi.collectives.counting import Counting
+from equarx_mpi.collectives.engine import Engine
+from equarx_mpi.collectives.nodes import in_turn, layout, split_nodes
+from equarx_mpi.feedback import check as feedback_error
+from equarx_mpi.model import costmodel, profiles
+from equarx_mpi.names import BFLOAT16, between_nodes
 
 
 class QuantizedComm:
@@ -81,17 +86,12 @@ class QuantizedComm:
         self._ctl = self._comm.Dup()
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         compile_first = local.Get_rank() == 0
+        in_turn(compile_first, local, bound.warm)
         local.Free()
-        if compile_first:                   # the others load it after split_nodes' collectives
-            bound.warm()
         node = split_nodes(self._comm)      # the real node, or a faked layout
-        sizes = self._comm.allgather(node.Get_size())
-        leaders = len(set(self._comm.allgather(node.bcast(self._comm.Get_rank()))))
         #: where the ranks are (the same on every rank)
-        self.layout = policy.Layout(leaders, node.Get_size(), len(set(sizes)) == 1)
+        self.layout = layout(self._comm, node)[0]
         node.Free()
-        if not compile_first:
-            bound.warm()
         #: all ranks on one node (shared memory)
         self.one_node = self.layout.one_node
         #: the profile algorithm="auto" and the crossovers decide with, and
@@ -403,7 +403,7 @@ class QuantizedComm:
         def across(comm, mine, e_own):
             # flagged blocks are left to the hierarchy: MPI reduces them from
             # every rank's input, not from the node results
-            return between.allreduce(_INNER[self.wire in formats.MANY_INPUT_WIRES], None,
+            return between.allreduce(between_nodes(self.wire), None,
                                      mine.reshape(-1), c.name, c.op, e_own, fix_up=False)
         err, slices, fixed = hier.allreduce(c.recv if c.send is None else c.send, c.recv, c.op,
                                             across, B)
@@ -414,7 +414,7 @@ class QuantizedComm:
     def _window(self):
         """The shared window of the exact one-node method (made on first use)."""
         if self._shm is None:
-            from .shm import ShmAllreduce
+            from equarx_mpi.collectives.shm import ShmAllreduce
             self._shm = ShmAllreduce(self._comm)
         return self._shm
 
@@ -422,11 +422,7 @@ class QuantizedComm:
         """The node-aware schedule and the engine between nodes (made on
         first use)."""
         if self._hier is None:
-            from .hierarchical import Hierarchy
+            from equarx_mpi.collectives.hierarchical import Hierarchy
             self._hier = Hierarchy(self._comm)
             self._between = Engine(self._hier.inter, self.options, False, self._compile_first)
         return self._hier, self._between
-
-
-#: the schedule between nodes: two-shot where the wire has many-input kernels
-_INNER = {True: "two_shot", False: "ring"}

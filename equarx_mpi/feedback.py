@@ -40,12 +40,11 @@ hierarchical calls raise ValueError.
 import ml_dtypes
 import numpy as np
 
-from .formats import acc_dtype
-from .streams import address
-from .validate import BFLOAT16, QUANTIZED_DTYPES
+from equarx_mpi.names import QUANTIZED_DTYPES, VALUE_DTYPE, acc_dtype
+from equarx_mpi.wire.streams import address
 
 #: the numpy type of each 16-bit kernel element type
-_WIDE = {np.dtype(np.int16): np.dtype(np.float16), np.dtype(np.uint16): BFLOAT16}
+_WIDE = {kd: d for kd, d in VALUE_DTYPE.items() if kd.itemsize == 2}
 
 
 class ErrorFeedback:

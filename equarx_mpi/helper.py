@@ -2,9 +2,9 @@
 cached on the communicator itself."""
 from mpi4py import MPI
 
-from . import options
-from .agree import agree
-from .comm import QuantizedComm
+from equarx_mpi.call import options
+from equarx_mpi.call.agree import agree
+from equarx_mpi.comm import QuantizedComm
 
 _keyval = None
 

@@ -61,9 +61,9 @@ def warmup(verbose=False):
     """Compile, or load from numba's cache, every kernel for every input
     type and wire format.  Returns a dict: seconds, compiled (kernel
     signatures compiled now), loaded (found in the cache), cache (folders)."""
-    from . import formats
-    from .engine import kernel_view, warm
-    from .validate import QUANTIZED_DTYPES
+    from equarx_mpi.collectives.engine import warm
+    from equarx_mpi.names import QUANTIZED_DTYPES, kernel_view
+    from equarx_mpi.wire import formats
     t0 = time.perf_counter()
     ds = _dispatchers()
     hits0, misses0 = _counts(ds)
@@ -101,6 +101,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
-else:
-    from . import _callable_module
-    _callable_module(__name__, warmup)

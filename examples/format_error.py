@@ -19,7 +19,8 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi import QuantizedComm, formats
+from equarx_mpi import QuantizedComm
+from equarx_mpi.wire import formats
 
 DATA = {"normal": lambda rng, n: rng.standard_normal(n),
         "offset": lambda rng, n: 101325.0 + 100.0 * rng.standard_normal(n),

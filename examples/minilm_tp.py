@@ -36,8 +36,7 @@ from mpi4py import MPI
 from scipy.special import erf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from methods import (METHODS, STATELESS, Reducers, limit_blas_threads,  # noqa: E402
-                     parse_methods)
+from methods import METHODS, STATELESS, Reducers, limit_blas_threads, parse_methods  # noqa: E402
 
 HIDDEN, HEADS, HEAD_DIM, LAYERS, MLP = 384, 12, 32, 6, 1536
 MAX_TOKENS = 256                       # sentence-transformers' max_seq_length for this model

@@ -1,17 +1,16 @@
 """How tight the certified error bound is (docs/ERROR.md): on normal data,
 last_error_bound / the largest observed |result - exact| per wire and
-algorithm, and what keeping the bound costs (time of an Allreduce with and
-without the bookkeeping, interleaved; the 24-byte trailers travel either way).
+algorithm.
 
     mpirun -n 4 python tests/bound_tightness.py [values] [repeats]
 """
 import sys
-import time
 
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi import QuantizedComm, formats
+from equarx_mpi import QuantizedComm, names
+from equarx_mpi.wire import formats
 
 WORLD = MPI.COMM_WORLD
 P, R = WORLD.Get_size(), WORLD.Get_rank()
@@ -29,7 +28,7 @@ def inputs(dtype):
 def tightness():
     xs, exact = inputs(np.float32)
     rows = [("ring", w) for w in formats.WIRES] + \
-           [("two_shot", w) for w in formats.MANY_INPUT_WIRES]
+           [("two_shot", w) for w in names.MANY_INPUT_WIRES]
     for alg, wire in rows:
         with QuantizedComm(WORLD, wire=wire, algorithm=alg, min_quantized_bytes=0) as qc:
             out = qc.allreduce(xs[R])
@@ -42,27 +41,5 @@ def tightness():
                   f"{np.median(blocks):.3e}", flush=True)
 
 
-def overhead():
-    xs, _ = inputs(np.float32)
-    out = np.empty_like(xs[R])
-    with QuantizedComm(WORLD, min_quantized_bytes=0) as qc:
-        times = {True: [], False: []}
-        for i in range(2 * REPEATS + 2):
-            keep = bool(i % 2)
-            qc._engine.keep_bounds = keep
-            WORLD.Barrier()
-            t0 = time.perf_counter()
-            qc.Allreduce(xs[R], out)
-            t = WORLD.allreduce(time.perf_counter() - t0, MPI.MAX)
-            if i >= 2:
-                times[keep].append(t)
-    if R == 0:
-        on, off = np.median(times[True]), np.median(times[False])
-        print(f"P={P} int8 ring Allreduce {4 * N} B: with bound {on * 1e3:.2f} ms, without "
-              f"{off * 1e3:.2f} ms (medians of {REPEATS}, interleaved): ratio {on / off:.3f}")
-
-
 if __name__ == "__main__":
     tightness()
-    if P > 1:
-        overhead()

@@ -44,6 +44,7 @@ import numba  # noqa: E402
 
 sys.modules["numba"] = None
 import arrayimpl  # noqa: E402,F401
+
 sys.modules["numba"] = numba
 
 import unittest  # noqa: E402

@@ -18,7 +18,6 @@ Arithmetic is the spec's, value by value, in the accumulation type (numpy
 float32 operations are IEEE single precision)."""
 import ml_dtypes
 import numpy as np
-
 from reference import stochastic, tiny_abs, unit_roundoff
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)

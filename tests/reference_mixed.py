@@ -4,9 +4,8 @@ built block by block from the other formats' references (reference.py,
 reference_formats.py) and an int16 quantizer written here.  Bounds are the
 same float64 expressions in the same order, so the same tags are chosen."""
 import numpy as np
-
 from reference import quantize as q_int8
-from reference_formats import Affine, Int4, order_key, from_order_key, tiny_lift
+from reference_formats import Affine, Int4, from_order_key, order_key, tiny_lift
 
 ZERO, INT4, INT4A, INT8, INT8A, INT16, RAW, FLAG = range(8)
 META = 24

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from equarx_mpi import bench, benchplot
+from equarx_mpi.bench import allreduce as bench
+from equarx_mpi.bench import plot as benchplot
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -60,13 +61,13 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
     assert rc == 0, stdout + stderr
     raw = out.read_text()
     assert "\x00" not in stdout and "\x00" not in raw and "\\u0000" not in raw
-    header = [l for l in stdout.splitlines() if l.startswith("#") and "size(B)" in l
-              and "#wrong" in l]
+    header = [ln for ln in stdout.splitlines() if ln.startswith("#") and "size(B)" in ln
+              and "#wrong" in ln]
     assert len(header) == 1
     assert header[0].split()[1:] == [name for name, _ in bench.COLUMNS]
     for col in ("path", "avg(us)", "algbw", "busbw", "speedup", "rel_err", "anom_err",
                 "max_err", "#wrong"):     # every column is explained above the table
-        assert any(l.startswith(f"#   {col}") for l in stdout.splitlines()), col
+        assert any(ln.startswith(f"#   {col}") for ln in stdout.splitlines()), col
     assert "# wrong results: 0" in stdout
     # progress went to stderr only, as # lines
     assert "# [1/3] 4 KiB" in stderr and "[1/3]" not in stdout
@@ -95,9 +96,9 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
         assert r["path"] in want if isinstance(want, tuple) else r["path"] == want, r
     assert [(c[3], c[4]) for c in table(stdout)] == [(r["method"], r["path"]) for r in rows]
     # auto against the fastest single method, per size: library methods, then every column
-    lines = [l for l in stdout.splitlines() if l.startswith("# auto vs the fastest of")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("# auto vs the fastest of")]
     assert len(lines) == 2 and "mpi-lib" in lines[0] and "(mpi," not in lines[0], lines
-    assert all(l.count("%") == 3 for l in lines), lines
+    assert all(ln.count("%") == 3 for ln in lines), lines
 
 
 def test_offset_data_shows_the_error_against_the_signal():

@@ -6,10 +6,10 @@ import math
 
 import numpy as np
 import pytest
-
-from equarx_mpi import bound, formats
-
 from reference import BF16
+
+from equarx_mpi.bounds import bound
+from equarx_mpi.wire import formats
 
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 

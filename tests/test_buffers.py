@@ -10,8 +10,8 @@ import pytest
 from mpi4py import MPI
 
 from equarx_mpi import QuantizedComm
-from equarx_mpi.buffers import OPAQUE, message
-from equarx_mpi.validate import BFLOAT16, check_buffers
+from equarx_mpi.call.buffers import OPAQUE, message
+from equarx_mpi.call.validate import BFLOAT16, check_buffers
 
 X = np.arange(12, dtype=np.float32)
 

@@ -14,7 +14,6 @@ import pytest
 
 from equarx_mpi import cluster as C
 
-
 # --- parsing ---------------------------------------------------------------
 
 @pytest.mark.parametrize("text, bits", [

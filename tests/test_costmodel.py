@@ -15,8 +15,11 @@ import sys
 import numpy as np
 import pytest
 
-from equarx_mpi import costmodel, options, policy, profiles
-from equarx_mpi.validate import BFLOAT16
+from equarx_mpi import names
+from equarx_mpi.call import options, policy
+from equarx_mpi.call.validate import BFLOAT16
+from equarx_mpi.collectives.nodes import Layout
+from equarx_mpi.model import costmodel, profiles
 
 LAYOUTS = [(1, 2), (1, 3), (1, 8), (2, 1), (2, 4), (4, 2), (16, 8), (128, 8)]
 SIZES = [1 << k for k in range(6, 33)] + [3 << 20, 5000, 123457]
@@ -28,7 +31,7 @@ def model(nodes, rpn, wire="int8", block=256, profile=None):
 
 
 def layout(nodes, rpn):
-    return policy.Layout(nodes, rpn, True)
+    return Layout(nodes, rpn, True)
 
 
 @pytest.fixture
@@ -111,7 +114,7 @@ def test_merge_keeps_what_only_the_base_has():
 
 # --- predictions ---------------------------------------------------------------
 def test_oneshot_bytes_matches_shm():
-    from equarx_mpi import shm
+    from equarx_mpi.collectives import shm
     assert costmodel.ONESHOT_BYTES == shm.ONESHOT_BYTES
 
 
@@ -176,12 +179,12 @@ def test_error_model():
 def test_one_quantization_error_is_as_tabulated(wire, block):
     """E1, the base of the error model: the relative L2 error of one
     encode + decode of standard-normal float32 values."""
-    from equarx_mpi import formats
+    from equarx_mpi.wire import formats
     n = 1 << 20
     x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
     fmt = formats.make_format(wire, block, x.dtype)
     w = fmt.views(np.zeros(fmt.nbytes(n), np.uint8), n)
-    fmt.encode(x, w, policy.ROUNDING["sum"])
+    fmt.encode(x, w, names.ROUNDING["sum"])
     y = np.empty_like(x)
     fmt.decode(w, y)
     e = float(np.linalg.norm(y.astype(np.float64) - x) / np.linalg.norm(x.astype(np.float64)))
@@ -343,7 +346,7 @@ def test_tune_quick_at_two_ranks(tmp_path):
 
 
 def test_fit_recovers_a_line_and_keeps_a_latency():
-    from equarx_mpi.tune import _fit
+    from equarx_mpi.tune.measure import _fit
     sizes = [1 << 10, 1 << 14, 1 << 18, 1 << 22]
     a, b = _fit(sizes, [20e-6 + s * 8e-9 for s in sizes])
     assert a == pytest.approx(20e-6, rel=1e-6) and b == pytest.approx(8e-9, rel=1e-6)

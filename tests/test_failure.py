@@ -33,7 +33,7 @@ CASES = {
     "the library fails inside the ring": (
         "if rank == 1:\n"
         "    def broken(*a):\n        raise MemoryError('boom in kernel')\n"
-        "    import equarx_mpi.formats as F\n"
+        "    import equarx_mpi.wire.formats as F\n"
         "    F.Int8Block.decode_reduce_encode = broken\n"
         "qc.allreduce(x)\n",
         "failed inside a collective"),

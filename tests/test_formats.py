@@ -8,15 +8,16 @@ import ctypes
 
 import numpy as np
 import pytest
-
-from equarx_mpi import formats, options
-from equarx_mpi import kernels as K
-from equarx_mpi.engine import kernel_view as _kernel_view
-from equarx_mpi.kernelbench import Native
-
 from reference import BF16, _nonfinite_blocks, _over_limit, reduce, to_acc
 from reference_formats import CODECS, E4M3, e4m3_round
-from test_kernels import cases as int8_cases, finfo
+from test_kernels import cases as int8_cases
+from test_kernels import finfo
+
+from equarx_mpi import kernels as K
+from equarx_mpi.bench.kernels import Native
+from equarx_mpi.call import options
+from equarx_mpi.names import kernel_view as _kernel_view
+from equarx_mpi.wire import formats
 
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 WIRES = list(CODECS)

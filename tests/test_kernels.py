@@ -6,11 +6,10 @@ Serial: python -m pytest tests/test_kernels.py
 """
 import numpy as np
 import pytest
+from reference import BF16, _over_limit, dequantize, quantize, reduce, step_bound, to_acc
 
 from equarx_mpi import kernels as K
-from equarx_mpi.engine import kernel_view as _kernel_view
-
-from reference import (BF16, _over_limit, dequantize, quantize, reduce, step_bound, to_acc)
+from equarx_mpi.names import kernel_view as _kernel_view
 
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 OPS = {"sum": K.OP_SUM, "max": K.OP_MAX, "min": K.OP_MIN}

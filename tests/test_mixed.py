@@ -9,13 +9,14 @@ Serial: python -m pytest tests/test_mixed.py
 """
 import numpy as np
 import pytest
-
-from equarx_mpi import bound, formats, options, tolerance
-from equarx_mpi import kernels as K
-from equarx_mpi.engine import kernel_view
-
 import reference_mixed as R
 from reference import BF16, to_acc
+
+from equarx_mpi import kernels as K
+from equarx_mpi.bounds import bound, tolerance
+from equarx_mpi.call import options
+from equarx_mpi.names import kernel_view
+from equarx_mpi.wire import formats
 
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 BLOCKS = [32, 256]

@@ -10,11 +10,10 @@ one rank fails the test everywhere instead of leaving the others waiting.
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import BF16, ring_allreduce
 
 import equarx_mpi
 from equarx_mpi import QuantizedComm
-
-from reference import BF16, ring_allreduce
 
 pytestmark = pytest.mark.mpi(min_size=1)
 

@@ -13,11 +13,13 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 from mpi4py import MPI
-
-from equarx_mpi import QuantizedComm, exact, policy, profiles
-
 from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16
+
+from equarx_mpi import QuantizedComm
+from equarx_mpi.call import policy
+from equarx_mpi.collectives import exact
+from equarx_mpi.model import profiles
 
 WORLD = MPI.COMM_WORLD
 SIZES = [16, 4 << 10, 48 << 10, 256 << 10, 1 << 20, 3 << 20]     # bytes per rank

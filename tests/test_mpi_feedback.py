@@ -17,12 +17,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_helpers import everywhere, raises_everywhere
+from reference import unit_roundoff
 
 from equarx_mpi import ErrorFeedback, QuantizedComm
 from equarx_mpi.feedback import check
-
-from mpi_helpers import everywhere, raises_everywhere
-from reference import unit_roundoff
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

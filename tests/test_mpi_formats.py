@@ -11,11 +11,10 @@ asserting.
 import numpy as np
 import pytest
 from mpi4py import MPI
-
-from equarx_mpi import QuantizedComm
-
 from reference import BF16, allgather, ring_allreduce
 from reference_formats import CODECS
+
+from equarx_mpi import QuantizedComm
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

@@ -13,13 +13,12 @@ import os
 import numpy as np
 import pytest
 from mpi4py import MPI
-
-from equarx_mpi import QuantizedComm
-from equarx_mpi.nodes import parse_nodes
-from equarx_mpi.shm import slice_bounds
-
 from mpi_helpers import everywhere
 from reference import BF16, two_shot_allreduce, unit_roundoff
+
+from equarx_mpi import QuantizedComm
+from equarx_mpi.collectives.nodes import parse_nodes
+from equarx_mpi.collectives.shm import slice_bounds
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

@@ -39,13 +39,14 @@ import traceback
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, seed, settings, strategies as st
-from mpi4py import MPI
-
-from equarx_mpi import QuantizedComm, formats
-
 from exact_check import errors_above
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+from mpi4py import MPI
 from mpi_helpers import everywhere, rank0_draws
+
+from equarx_mpi import QuantizedComm, names
+from equarx_mpi.wire import formats
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
@@ -59,7 +60,7 @@ MAX_N = 50_000
 #: runs two-shot between nodes for the many-input wires, else the ring;
 #: the exact methods do not read the wire.
 PATHS = dict([(("ring", w), 0.06) for w in formats.WIRES]
-             + [(("two_shot", w), 0.08) for w in formats.MANY_INPUT_WIRES]
+             + [(("two_shot", w), 0.08) for w in names.MANY_INPUT_WIRES]
              + [(("hierarchical", w), 0.05) for w in ("int8", "bf16", "fp32", "int4-affine")]
              + [(("shm", "int8"), 0.04), (("mpi", "int8"), 0.03), (("auto", "int8"), 0.03)])
 DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -90,7 +91,7 @@ def cases(draw, algorithm, wire):
         algorithm=algorithm, wire=wire, block=block, what=what, n=n,
         op="sum" if what == "Allgather" else draw(st.sampled_from(("sum", "sum", "max", "min"))),
         rounding=draw(st.sampled_from(("nearest", "stochastic")
-                                      if wire in formats.STOCHASTIC_WIRES else ("nearest",))),
+                                      if wire in names.STOCHASTIC_WIRES else ("nearest",))),
         lossy=draw(st.booleans()), in_place=draw(st.booleans()),
         # an Allreduce also nonblocking and persistent (the bound found when it runs)
         form=draw(st.sampled_from(("blocking", "nonblocking", "persistent"))),

@@ -6,12 +6,11 @@ one test each; every one failed before the format was changed.
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_helpers import everywhere, raises_everywhere
+from reference import BF16
 
 import equarx_mpi
 from equarx_mpi import QuantizedComm
-
-from mpi_helpers import everywhere, raises_everywhere
-from reference import BF16
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

@@ -8,13 +8,12 @@ import time
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_helpers import WORLD, everywhere, raises_everywhere
 
 import equarx_mpi
 from equarx_mpi import QuantizedComm
-from equarx_mpi.nonblocking import PersistentRequest, Request
-from equarx_mpi.validate import BFLOAT16
-
-from mpi_helpers import WORLD, everywhere, raises_everywhere
+from equarx_mpi.call.nonblocking import PersistentRequest, Request
+from equarx_mpi.call.validate import BFLOAT16
 
 pytestmark = pytest.mark.mpi(min_size=1)
 P, RANK = WORLD.Get_size(), WORLD.Get_rank()

@@ -19,13 +19,12 @@ import os
 import numpy as np
 import pytest
 from mpi4py import MPI
-
-from equarx_mpi import QuantizedComm
-from equarx_mpi.exact import UPCAST_DTYPES
-from equarx_mpi.nodes import parse_nodes
-
 from mpi_helpers import everywhere
 from reference import BF16
+
+from equarx_mpi import QuantizedComm
+from equarx_mpi.collectives.exact import UPCAST_DTYPES
+from equarx_mpi.collectives.nodes import parse_nodes
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

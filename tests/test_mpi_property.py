@@ -26,10 +26,9 @@ import os
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import BF16, allgather, ring_allreduce
 
 from equarx_mpi import QuantizedComm
-
-from reference import BF16, allgather, ring_allreduce
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

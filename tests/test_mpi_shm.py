@@ -9,17 +9,16 @@ combined across ranks before asserting.
 """
 import os
 
+import mpi_helpers
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import BF16
 
 from equarx_mpi import QuantizedComm
-from equarx_mpi.exact import largest
-from equarx_mpi.nodes import FAKE_NODES_ENV, parse_nodes, split_nodes
-from equarx_mpi.shm import ShmAllreduce
-
-import mpi_helpers
-from reference import BF16
+from equarx_mpi.collectives.exact import largest
+from equarx_mpi.collectives.nodes import FAKE_NODES_ENV, parse_nodes, split_nodes
+from equarx_mpi.collectives.shm import ShmAllreduce
 
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}

@@ -13,14 +13,12 @@ shrinks like 1/sqrt(calls), where rounding to nearest keeps its bias.
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_helpers import everywhere
+from reference import BF16, INT8, allgather, call_key, ring_allreduce, two_shot_allreduce
+from reference_formats import INT4
+from test_mpi_property import make, mpi
 
 from equarx_mpi import QuantizedComm
-
-from mpi_helpers import everywhere
-from reference import BF16, allgather, call_key, ring_allreduce, two_shot_allreduce
-from reference_formats import INT4
-from reference import INT8
-from test_mpi_property import make, mpi
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
@@ -184,7 +182,7 @@ def test_error_model_holds_with_stochastic_rounding(alg):
     """accuracy= trusts costmodel.error: measured, the relative L2 error of
     one call on standard-normal data is within 10% of the model's with
     either rounding (stochastic had no term: 1.20% against 0.85%)."""
-    from equarx_mpi import costmodel
+    from equarx_mpi.model import costmodel
     P, r = WORLD.Get_size(), WORLD.Get_rank()
     if P == 1:
         return

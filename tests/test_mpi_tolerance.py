@@ -11,12 +11,11 @@ send fewer bytes than int8, smooth data far fewer.
 import numpy as np
 import pytest
 from mpi4py import MPI
-
-from equarx_mpi import ErrorFeedback, QuantizedComm
-
 from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16
 from test_mpi_bound import KINDS, call, exact_error, make
+
+from equarx_mpi import ErrorFeedback, QuantizedComm
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

@@ -24,12 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-
-from equarx_mpi import QuantizedComm
-
 from mpi_helpers import everywhere, rank0_draws
 from reference import BF16
 from test_mpi_bound import exact_error
+
+from equarx_mpi import QuantizedComm
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

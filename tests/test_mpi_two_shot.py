@@ -14,12 +14,11 @@ import os
 import numpy as np
 import pytest
 from mpi4py import MPI
-
-from equarx_mpi import QuantizedComm
-
 from mpi_helpers import everywhere, raises_everywhere
 from reference import BF16, allgather, shard_edges, two_shot_allreduce
 from test_mpi_property import draw, make, mpi, run_library
+
+from equarx_mpi import QuantizedComm
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD

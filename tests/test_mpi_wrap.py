@@ -15,11 +15,10 @@ import sys
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_helpers import WORLD, everywhere, raises_everywhere
 
 import equarx_mpi
-from equarx_mpi.validate import BFLOAT16
-
-from mpi_helpers import WORLD, everywhere, raises_everywhere
+from equarx_mpi.call.validate import BFLOAT16
 
 mpi = pytest.mark.mpi(min_size=1)
 mpi2 = pytest.mark.mpi(min_size=2)
@@ -63,7 +62,7 @@ def test_is_the_same_communicator(w):
 
 @mpi
 def test_topologies_made_from_it_are_wrapped(w):
-    from equarx_mpi.wrap import _Wrapped
+    from equarx_mpi.wrapping import _Wrapped
     x = data()
     ref = w.allreduce(x)
     left, right = (RANK - 1) % P, (RANK + 1) % P

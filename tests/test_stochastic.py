@@ -9,15 +9,15 @@ Serial: python -m pytest tests/test_stochastic.py
 """
 import numpy as np
 import pytest
-
-from equarx_mpi import formats, options
-from equarx_mpi import kernels as K
-from equarx_mpi.engine import kernel_view
-
 import reference as R
 from reference import BF16, to_acc, unit_roundoff
 from reference_formats import INT4, unpack4
 from test_formats import as_dtype, cases
+
+from equarx_mpi import kernels as K
+from equarx_mpi.call import options
+from equarx_mpi.names import kernel_view
+from equarx_mpi.wire import formats
 
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 WIRES = {"int8": (R.INT8, 127), "int4": (INT4, 7)}

@@ -43,20 +43,40 @@ def _drop_stale_cache():
 
 _drop_stale_cache()
 
-from .common import (OP_MAX, OP_MIN, OP_SUM, ROUND_DOWN, ROUND_NEAREST,  # noqa: E402,F401
-                     ROUND_STOCHASTIC, ROUND_UP)
-from .stochastic import GOLDEN  # noqa: E402,F401
-from .int8 import (i8_decode, i8_decode_reduce, i8_decode_reduce_encode,  # noqa: E402,F401
-                   i8_decode_reduce_encode_many, i8_decode_reduce_many, i8_encode)
-from .plain import (plain_decode, plain_decode_reduce,  # noqa: E402,F401
-                    plain_decode_reduce_encode, plain_decode_reduce_encode_many,
-                    plain_decode_reduce_many, plain_encode)
-from .int4 import (i4_decode, i4_decode_reduce, i4_decode_reduce_encode,  # noqa: E402,F401
-                   i4_encode)
-from .fp8 import (f8_decode, f8_decode_reduce, f8_decode_reduce_encode,  # noqa: E402,F401
-                  f8_encode)
-from .affine import (af_decode, af_decode_reduce, af_decode_reduce_encode,  # noqa: E402,F401
-                     af_encode)
-from .mixed import META as MX_META, mx_block_errors, mx_decode, mx_encode  # noqa: E402,F401
-from .mixed_many import (mx_decode_reduce_encode_many,  # noqa: E402,F401
-                         mx_decode_reduce_many)
+from equarx_mpi.kernels.affine import (  # noqa: E402,F401
+    af_decode,
+    af_decode_reduce,
+    af_decode_reduce_encode,
+    af_encode,
+)
+from equarx_mpi.kernels.common import (  # noqa: E402,F401
+    OP_MAX,
+    OP_MIN,
+    OP_SUM,
+    ROUND_DOWN,
+    ROUND_NEAREST,
+    ROUND_STOCHASTIC,
+    ROUND_UP,
+)
+from equarx_mpi.kernels.fp8 import f8_decode, f8_decode_reduce, f8_decode_reduce_encode, f8_encode  # noqa: E402,F401
+from equarx_mpi.kernels.int4 import i4_decode, i4_decode_reduce, i4_decode_reduce_encode, i4_encode  # noqa: E402,F401
+from equarx_mpi.kernels.int8 import (  # noqa: E402,F401
+    i8_decode,
+    i8_decode_reduce,
+    i8_decode_reduce_encode,
+    i8_decode_reduce_encode_many,
+    i8_decode_reduce_many,
+    i8_encode,
+)
+from equarx_mpi.kernels.mixed import META as MX_META  # noqa: E402,F401
+from equarx_mpi.kernels.mixed import mx_block_errors, mx_decode, mx_encode  # noqa: E402,F401
+from equarx_mpi.kernels.mixed_many import mx_decode_reduce_encode_many, mx_decode_reduce_many  # noqa: E402,F401
+from equarx_mpi.kernels.plain import (  # noqa: E402,F401
+    plain_decode,
+    plain_decode_reduce,
+    plain_decode_reduce_encode,
+    plain_decode_reduce_encode_many,
+    plain_decode_reduce_many,
+    plain_encode,
+)
+from equarx_mpi.kernels.stochastic import GOLDEN  # noqa: E402,F401

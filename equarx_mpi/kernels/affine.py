@@ -29,9 +29,25 @@ practice after at most one step.
 import numpy as np
 from numba import njit
 
-from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, acc_block,
-                     as_acc, cast_like, from_order_key, load, order_key, out_limit, reduce2,
-                     store, wide_tiny_lift, wide_vectors)
+from equarx_mpi.kernels.common import (
+    CACHE,
+    KERNEL,
+    OP_SUM,
+    ROUND_NEAREST,
+    ROUND_UP,
+    abs_bits,
+    acc_block,
+    as_acc,
+    cast_like,
+    from_order_key,
+    load,
+    order_key,
+    out_limit,
+    reduce2,
+    store,
+    wide_tiny_lift,
+    wide_vectors,
+)
 
 _U = np.uint64
 

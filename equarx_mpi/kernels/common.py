@@ -15,11 +15,16 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-OP_SUM, OP_MAX, OP_MIN = 0, 1, 2
-#: Rounding of values to codes: nearest (ties to even), or directed so that
-#: a decoded value is never below (UP) or above (DOWN) the value encoded,
-#: or STOCHASTIC: up or down at random, unbiased (``stochastic_code``).
-ROUND_NEAREST, ROUND_UP, ROUND_DOWN, ROUND_STOCHASTIC = 0, 1, 2, 3
+from equarx_mpi.names import (  # noqa: F401 (the kernels' codes)
+    OP_MAX,
+    OP_MIN,
+    OP_SUM,
+    ROUND_DOWN,
+    ROUND_NEAREST,
+    ROUND_STOCHASTIC,
+    ROUND_UP,
+)
+
 CACHE = dict(cache=True, nogil=True)
 #: For the kernels that allocate nothing: without numba's reference counting
 #: (NRT), an array handed to an inlined helper costs no atomic incref/decref

@@ -25,10 +25,29 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_UP, abs_bits, abs_max,
-                     acc_block, as_acc, f32_as_u32, f64_as_u64, from_abs_bits, load,
-                     out_limit, reduce2, store, u32_as_f32, u64_as_f64, wide_tiny_lift,
-                     wide_vectors, keep_or_skip)
+from equarx_mpi.kernels.common import (
+    CACHE,
+    KERNEL,
+    OP_SUM,
+    ROUND_NEAREST,
+    ROUND_UP,
+    abs_bits,
+    abs_max,
+    acc_block,
+    as_acc,
+    f32_as_u32,
+    f64_as_u64,
+    from_abs_bits,
+    keep_or_skip,
+    load,
+    out_limit,
+    reduce2,
+    store,
+    u32_as_f32,
+    u64_as_f64,
+    wide_tiny_lift,
+    wide_vectors,
+)
 
 LARGEST = 448
 MAX_CODE = 0x7E

@@ -18,10 +18,28 @@ output limit, directed and stochastic rounding work as in int8
 import numpy as np
 from numba import njit
 
-from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_UP,
-                     abs_bits, abs_max, acc_block, as_acc, from_abs_bits, keep_or_skip, load,
-                     out_limit, reduce2, sign_code, store, wide_tiny_lift, wide_vectors)
-from .stochastic import stochastic_code
+from equarx_mpi.kernels.common import (
+    CACHE,
+    KERNEL,
+    OP_SUM,
+    ROUND_NEAREST,
+    ROUND_STOCHASTIC,
+    ROUND_UP,
+    abs_bits,
+    abs_max,
+    acc_block,
+    as_acc,
+    from_abs_bits,
+    keep_or_skip,
+    load,
+    out_limit,
+    reduce2,
+    sign_code,
+    store,
+    wide_tiny_lift,
+    wide_vectors,
+)
+from equarx_mpi.kernels.stochastic import stochastic_code
 
 LEVELS = 7
 _U = np.uint64

@@ -43,10 +43,25 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .common import (CACHE, KERNEL, OP_SUM, ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_UP,
-                     abs_bits, as_acc, from_abs_bits, keep_or_skip, load, out_limit, reduce2,
-                     sign_code, store, wide_vectors)
-from .stochastic import stochastic_code
+from equarx_mpi.kernels.common import (
+    CACHE,
+    KERNEL,
+    OP_SUM,
+    ROUND_NEAREST,
+    ROUND_STOCHASTIC,
+    ROUND_UP,
+    abs_bits,
+    as_acc,
+    from_abs_bits,
+    keep_or_skip,
+    load,
+    out_limit,
+    reduce2,
+    sign_code,
+    store,
+    wide_vectors,
+)
+from equarx_mpi.kernels.stochastic import stochastic_code
 
 LEVELS = 127
 _U = np.uint64

@@ -7,7 +7,14 @@ import numpy as np
 from numba import types
 from numba.extending import overload
 
-from .common import CACHE, abs_bits, bf16_to_f32, f16_to_f32, u32_as_f32, u64_as_f64
+from equarx_mpi.kernels.common import (
+    CACHE,
+    abs_bits,
+    bf16_to_f32,
+    f16_to_f32,
+    u32_as_f32,
+    u64_as_f64,
+)
 
 
 def mag_bits(src, i):

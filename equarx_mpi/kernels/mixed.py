@@ -45,10 +45,22 @@ per received message.
 import numpy as np
 from numba import njit
 
-from . import affine, int4, int8
-from .common import (CACHE, KERNEL, ROUND_NEAREST, abs_bits, acc_block, as_acc,
-                     from_abs_bits, from_order_key, order_key, out_limit, store,
-                     wide_tiny_lift, wide_vectors)
+from equarx_mpi.kernels import affine, int4, int8
+from equarx_mpi.kernels.common import (
+    CACHE,
+    KERNEL,
+    ROUND_NEAREST,
+    abs_bits,
+    acc_block,
+    as_acc,
+    from_abs_bits,
+    from_order_key,
+    order_key,
+    out_limit,
+    store,
+    wide_tiny_lift,
+    wide_vectors,
+)
 
 ZERO, INT4, INT4A, INT8, INT8A, INT16, RAW, FLAG = range(8)
 NAMES = ("zero", "int4", "int4-affine", "int8", "int8-affine", "int16", "raw", "flag")

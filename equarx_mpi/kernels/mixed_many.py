@@ -6,8 +6,26 @@ per block within a room (allreduce) or stored at full precision
 import numpy as np
 from numba import njit
 
-from .common import CACHE, KERNEL, abs_bits, as_acc, load, out_limit, store, wide_vectors
-from .mixed import FLAG, META, _finish, decode_block, emit_block, n_heads, pad8, pay_bytes
+from equarx_mpi.kernels.common import (
+    CACHE,
+    KERNEL,
+    abs_bits,
+    as_acc,
+    load,
+    out_limit,
+    store,
+    wide_vectors,
+)
+from equarx_mpi.kernels.mixed import (
+    FLAG,
+    META,
+    _finish,
+    decode_block,
+    emit_block,
+    n_heads,
+    pad8,
+    pay_bytes,
+)
 
 _U = np.uint64
 

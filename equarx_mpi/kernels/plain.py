@@ -8,8 +8,19 @@ wire) never comes back as Inf."""
 import numpy as np
 from numba import njit
 
-from .common import (CACHE, OP_SUM, abs_bits, as_acc, load, out_limit, reduce2, store,
-                     wire_abs_bits, wire_inf_bits, keep_or_skip)
+from equarx_mpi.kernels.common import (
+    CACHE,
+    OP_SUM,
+    abs_bits,
+    as_acc,
+    keep_or_skip,
+    load,
+    out_limit,
+    reduce2,
+    store,
+    wire_abs_bits,
+    wire_inf_bits,
+)
 
 _U = np.uint64
 

@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from .common import CACHE, cast_like
+from equarx_mpi.kernels.common import CACHE, cast_like
 
 GOLDEN = 0x9E3779B97F4A7C15
 

@@ -1,0 +1,247 @@
+"""Throughput of the int8 kernels: numba against the C reference in native/.
+
+    python -m equarx_mpi.kernelbench [-n COUNT ...] [--block B] [--repeat R]
+                                     [--isa native|avx2]
+
+One process, one core, float32 input, SUM.  Bandwidths are GB/s of float32
+input (4 bytes per value), the median of ``repeat`` timings; each timing
+loops the kernel until it has run for about a millisecond, so pieces that
+fit in cache are measured in cache, like the ring's pieces.  numba and C
+take turns, and numba/C is the median of the per-turn ratios, so load from
+other processes hits both alike.
+
+``--isa avx2`` measures both sides as compiled for a plain AVX2 machine on
+this one: C built with ``-O3 -march=haswell`` into its own library, numba in
+a child process with NUMBA_CPU_NAME=haswell (and the haswell features only).
+"""
+import argparse
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from equarx_mpi import kernels as K
+from equarx_mpi.model.profiles import cpu_model
+
+NATIVE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "native")
+LIB_PATH = os.path.join(NATIVE_DIR, "build", "libequarx_ref.so")
+
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
+#: isa -> (C build folder under native/, CFLAGS (None: the Makefile's
+#: -O3 -march=native), environment of the numba process (None: this one))
+ISAS = {
+    "native": ("build", None, None),
+    "avx2": ("build/avx2", "-O3 -march=haswell",
+             {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": ""}),
+}
+
+
+def build_native(build="build", cflags=None):
+    """Run ``make -C native`` (into native/<build>, with CFLAGS when given);
+    raise with make's output when it fails."""
+    if shutil.which("make") is None:
+        raise RuntimeError(f"{NATIVE_DIR}/{build} is missing and there is no `make`: "
+                           f"build it with `make -C {NATIVE_DIR}`")
+    cmd = ["make", "-C", NATIVE_DIR, f"BUILD={build}"]
+    if cflags is not None:
+        cmd.append(f"CFLAGS={cflags}")
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{r.stdout}{r.stderr}")
+
+
+class Native:
+    """ctypes wrappers of native/equarx_ref.c with the numba kernels' argument
+    order (float32 arrays, SUM only)."""
+
+    def __init__(self, path=LIB_PATH, build=True, cflags=None):
+        if build and os.path.isdir(NATIVE_DIR):
+            # make is a no-op when the library is fresh (same sources and flags)
+            build_native(os.path.relpath(os.path.dirname(path), NATIVE_DIR), cflags)
+        if not os.path.exists(path):
+            raise RuntimeError(f"C reference library {path} not found: "
+                               f"run `make -C {NATIVE_DIR}`")
+        lib = ctypes.CDLL(path)
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        sigs = {
+            "eqx_encode_f32": ([p, i64, i64, p, p], None),
+            "eqx_decode_f32": ([p, p, i64, i64, p], i64),
+            "eqx_decode_reduce_sum_f32": ([p, p, p, i64, i64, p, p], i64),
+            "eqx_decode_reduce_encode_sum_f32": ([p, p, p, p, p, i64, i64, p], None),
+            "eqx_copy_f32": ([p, p, i64], None),
+        }
+        for name, (args, res) in sigs.items():
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = res
+        self.lib = lib
+
+    @classmethod
+    def for_isa(cls, isa="native", build=True):
+        """The C reference as built for ``isa`` (a key of ISAS)."""
+        folder, cflags, _ = ISAS[isa]
+        return cls(os.path.join(NATIVE_DIR, folder, "libequarx_ref.so"), build, cflags)
+
+    @staticmethod
+    def _ptr(a, dtype, writable=False):
+        if a.dtype != dtype or not a.flags.c_contiguous:
+            raise TypeError(f"expected a C-contiguous {np.dtype(dtype).name} array, "
+                            f"not {a.dtype} with flags {a.flags}")
+        if writable and not a.flags.writeable:
+            raise ValueError("output array is read-only")
+        return a.ctypes.data
+
+    def i8_encode(self, src, heads, codes, block):
+        self.lib.eqx_encode_f32(self._ptr(src, np.float32), src.size, block,
+                                self._ptr(heads, np.float32, True),
+                                self._ptr(codes, np.int8, True))
+
+    def i8_decode(self, heads, codes, out, block):
+        return self.lib.eqx_decode_f32(self._ptr(heads, np.float32), self._ptr(codes, np.int8),
+                                       out.size, block, self._ptr(out, np.float32, True))
+
+    def i8_decode_reduce(self, own, heads, codes, out, block, scratch):
+        return self.lib.eqx_decode_reduce_sum_f32(
+            self._ptr(own, np.float32), self._ptr(heads, np.float32),
+            self._ptr(codes, np.int8), own.size, block, self._ptr(out, np.float32, True),
+            self._ptr(scratch, np.float32, True))
+
+    def i8_decode_reduce_encode(self, own, heads_in, codes_in, heads_out, codes_out,
+                                block, scratch):
+        self.lib.eqx_decode_reduce_encode_sum_f32(
+            self._ptr(own, np.float32), self._ptr(heads_in, np.float32),
+            self._ptr(codes_in, np.int8), self._ptr(heads_out, np.float32, True),
+            self._ptr(codes_out, np.int8, True), own.size, block,
+            self._ptr(scratch, np.float32, True))
+
+    def copy(self, src, dst):
+        self.lib.eqx_copy_f32(self._ptr(src, np.float32), self._ptr(dst, np.float32, True),
+                              src.size)
+
+
+def _rates(fns, nbytes, repeat, clock=time.thread_time, min_time=1e-3):
+    """GB/s of each of fns in each of ``repeat`` turns (one list per
+    function) of an inner loop of about min_time; the functions take turns,
+    so that load from other processes hits all of them alike."""
+    inner = []
+    for fn in fns:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        inner.append(max(1, int(min_time / max(time.perf_counter() - t0, 1e-9))))
+    rates = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, k, r in zip(fns, inner, rates):
+            t0 = clock()
+            for _ in range(k):
+                fn()
+            r.append(nbytes * k / max(clock() - t0, 1e-9) / 1e9)
+    return rates
+
+
+def bench(n, block, repeat, native, clock=time.thread_time):
+    """{name: (numba GB/s, C GB/s, numba/C)} for the four int8 kernels and
+    the copy (numpy's copyto, memcpy): medians of the rates and of the
+    per-turn ratios.  The C calls get their pointers ready-made, so
+    that ctypes costs little; the numba calls go through the dispatcher, as
+    the ring's do (about 2 us a call)."""
+    rng = np.random.default_rng(0)
+    own = rng.standard_normal(n).astype(np.float32)
+    other = rng.standard_normal(n).astype(np.float32)
+    nb = -(-n // block)
+    sc, co = np.empty(nb, np.float32), np.empty(n, np.int8)
+    K.i8_encode(other, sc, co, block, np.empty(block, np.float32), K.ROUND_NEAREST)
+    sc_w, co_w = sc.copy(), co.copy()           # the fused hop's in-place wire
+    out = np.empty(n, np.float32)
+    scratch = np.empty(block, np.float32)
+    skip = np.empty(nb, np.int64)
+    own.flags.writeable = False
+    p = {name: a.ctypes.data for name, a in
+         dict(own=own, sc=sc, co=co, sc_w=sc_w, co_w=co_w, out=out, scratch=scratch).items()}
+    lib = native.lib
+    cases = {
+        "encode": (lambda: K.i8_encode(own, sc_w, co_w, block, scratch, K.ROUND_NEAREST),
+                   lambda: lib.eqx_encode_f32(p["own"], n, block, p["sc_w"], p["co_w"])),
+        "decode": (lambda: K.i8_decode(sc, co, out, block, skip),
+                   lambda: lib.eqx_decode_f32(p["sc"], p["co"], n, block, p["out"])),
+        "decode_reduce": (
+            lambda: K.i8_decode_reduce(own, sc, co, out, block, K.OP_SUM, scratch, skip),
+            lambda: lib.eqx_decode_reduce_sum_f32(p["own"], p["sc"], p["co"], n, block,
+                                                  p["out"], p["scratch"])),
+        "decode_reduce_encode": (
+            lambda: K.i8_decode_reduce_encode(own, sc_w, co_w, sc_w, co_w, block,
+                                              K.OP_SUM, scratch, K.ROUND_NEAREST),
+            lambda: lib.eqx_decode_reduce_encode_sum_f32(
+                p["own"], p["sc_w"], p["co_w"], p["sc_w"], p["co_w"], n, block,
+                p["scratch"])),
+        "copy": (lambda: np.copyto(out, own),
+                 lambda: lib.eqx_copy_f32(p["own"], p["out"], n)),
+    }
+    res = {}
+    for name, fns in cases.items():
+        r_nb, r_c = _rates(fns, 4 * n, repeat, clock)
+        res[name] = (float(np.median(r_nb)), float(np.median(r_c)),
+                     float(np.median(np.divide(r_nb, r_c))))
+    return res
+
+
+def _numba_target():
+    import llvmlite.binding as ll
+    from numba.core import config
+    return config.CPU_NAME or ll.get_host_cpu_name()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(prog="python -m equarx_mpi.kernelbench",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("-n", "--count", type=int, nargs="+", default=[1 << 16, 1 << 22],
+                    help="values per kernel call (default: 64Ki, cache resident, "
+                         "and 4Mi)")
+    ap.add_argument("--block", type=int, default=256, help="values per scale")
+    ap.add_argument("--repeat", type=int, default=15, help="timings per median")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                    help="cpu: the thread's time on a core (default; a busy machine's "
+                         "other processes then cost only cache and memory "
+                         "bandwidth, not the time they hold the core); wall: "
+                         "elapsed time")
+    ap.add_argument("--isa", choices=sorted(ISAS), default="native",
+                    help="native: both sides for this CPU (default); avx2: both "
+                         "compiled for a plain AVX2 (haswell) CPU")
+    args = ap.parse_args(argv)
+    if args.block < 1 or args.repeat < 1 or min(args.count) < 1:
+        ap.error("--count, --block and --repeat must be positive")
+    build, _, env = ISAS[args.isa]
+    if env is not None and any(os.environ.get(k) != v for k, v in env.items()):
+        # numba reads its target when it is imported: measure in a child
+        r = subprocess.run([sys.executable, "-m", "equarx_mpi.kernelbench", *argv],
+                           env={**os.environ, **env})
+        return r.returncode
+    native = Native.for_isa(args.isa)
+    with open(os.path.join(NATIVE_DIR, build, "cflags")) as f:
+        c_cmd = f.read().strip()
+    print("# int8 block kernels, float32 input, SUM, one core; "
+          f"block {args.block}, median of {args.repeat}, {args.clock} time")
+    print(f"# {cpu_model()}; isa {args.isa}: numba for {_numba_target()}, C: {c_cmd}")
+    print(f"# load average {os.getloadavg()[0]:.2f} at the start")
+    print("# rates in GB/s of float32 input; copy = numpy copyto (numba column) "
+          "and C memcpy (C column); numba/C = median of per-turn ratios")
+    print(f"# {'kernel':<21}{'count':>10}{'numba[GB/s]':>13}{'C[GB/s]':>10}"
+          f"{'numba/C':>9}{'numba/memcpy':>14}{'numba/np.copy':>15}")
+    for n in args.count:
+        res = bench(n, args.block, args.repeat, native, CLOCKS[args.clock])
+        np_copy, c_copy, _ = res["copy"]
+        for name, (r_nb, r_c, ratio) in res.items():
+            print(f"  {name:<21}{n:>10}{r_nb:>13.2f}{r_c:>10.2f}{ratio:>9.2f}"
+                  f"{r_nb / c_copy:>14.2f}{r_nb / np_copy:>15.2f}", flush=True)
+    print(f"# load average {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""Options of a QuantizedComm: defaults, validation, and overrides from
+the environment, in one place.
+
+Every option can be set by an environment variable ``EQUARX_MPI_<NAME>``
+(``EQUARX_MPI_WIRE=bf16``, ``EQUARX_MPI_LOSSY_OPS=sum,max``): it replaces
+the default, and an option passed in code still wins.  A value that does
+not parse is ignored with a warning (as mpi4py does with MPI4PY_RC_*); an
+unknown option passed in code is a TypeError.  ``EQUARX_MPI_DISABLE=1``
+makes every call take the exact MPI collective, whatever the code asks;
+``EQUARX_MPI_LOG=1`` logs every call's decision on rank 0 (stderr).
+``EQUARX_MPI_PROFILE=path`` names the profile algorithm="auto" decides
+with (costmodel.py).
+
+The options:
+
+wire: "int8" (dynamic block-wise int8, the product); "int4" (half the
+    bytes, about 15x the error), "fp8" (e4m3 codes), "int8-affine" and
+    "int4-affine" (codes between each block's minimum and maximum, for
+    data with an offset; docs/FORMAT.md); or the uncompressed baselines
+    "bf16" (bfloat16; float16 input travels as float16) and "fp32".
+    ``bits=4/8/16/32`` is the older spelling.
+block_size: values per block, a power of two from 32 to 4096; None (the
+    default): the wire's own, 256 (int4 64, int4-affine 128).
+algorithm: "auto" (the default: per call, the method the cost model
+    predicts fastest among those ``accuracy`` and the call allow; a
+    profile measured by ``python -m equarx_mpi.tune``, or the built-in
+    one: docs/TUNING.md), "ring" (pipelined reduce-scatter + all-gather,
+    a value is quantized P times), "two_shot" (every shard sent to its
+    owner, reduced there at full precision and all-gathered: twice at
+    most; wires int8, bf16 and fp32), "hierarchical" (exact inside each
+    node through a shared window, quantized between nodes: error of the
+    node count; Allreduce across nodes of equal size, the halves use the
+    ring), "shm" (exact, through a shared window, when all ranks share
+    a node) or "mpi" (always MPI's own collective).
+accuracy: the error the caller accepts: None (the default: what the
+    wire gives), "exact" (only exact methods), or the largest relative
+    L2 error on standard-normal data (0.01 = 1%) by costmodel.error; a
+    quantized method predicted above it is never taken, by any
+    algorithm: the call is exact instead.
+chunks: pieces per shard for pipelining; None: one piece when all ranks
+    share a node, else about 256 KiB of input per piece (at most 8).
+min_quantized_bytes: messages smaller than this (bytes per rank; for the
+    two halves, the P*m-value buffer) use an exact method; None takes
+    the measured default: 4 MiB on one node, 256 KiB across nodes, and
+    under "auto" the cost model's crossover (``crossover()``).
+lossy_ops: the reductions that may travel quantized, from "sum", "max",
+    "min"; default ("sum",): MAX and MIN are exact unless named here,
+    and then MAX is never below (MIN never above) the true result.
+lossy_allgather: whether a wrapped communicator's Allgather may travel
+    quantized (default False; QuantizedComm.Allgather, an explicit
+    request, always may).
+check: agree on every call's arguments across ranks first (one tiny
+    Allreduce), so mismatched or bad calls raise the same error
+    everywhere instead of hanging.  Turn off only if the caller
+    guarantees consistent calls.
+max_message_bytes: split messages above this size.
+rounding: how SUM's codes round: "nearest" (the default) or "stochastic"
+    (unbiased: up with the probability of the remainder, wires int8 and
+    int4; reproducible from ``seed``, the call count and the rank:
+    docs/FORMAT.md "Stochastic rounding").
+seed: the stochastic rounding's seed (an integer; default 0).
+abs_tol, rel_tol: the error-bounded mode (tolerance.py, docs/ERROR.md
+    section 8): a float SUM's certified bound (last_error_bound) never
+    exceeds abs_tol, or rel_tol times M, the largest magnitude of any
+    finite input value on any rank of the call; each block travels in the
+    fewest bits that keep it (wire "mixed", algorithm "two_shot" unless
+    "mpi" or "shm" is named; "auto" means "two_shot" here).  A tolerance finer than the float additions
+    and the output type allow raises ValueError on every rank.
+"""
+import math
+import os
+import warnings
+
+import numpy as np
+
+from equarx_mpi.wire import formats
+
+ALGORITHMS = ("auto", "ring", "two_shot", "hierarchical", "shm", "mpi")
+LOSSY_OPS = ("sum", "max", "min")
+ROUNDINGS = ("nearest", "stochastic")
+#: No single message exceeds this (MPI counts are 32-bit in many places).
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+DEFAULTS = dict(
+    wire="int8",
+    block_size=None,        # the wire's own, formats.default_block: 256, int4 64, int4-affine 128
+    algorithm="auto",
+    chunks=None,
+    accuracy=None,          # None: any error the wire gives; "exact"; or a relative L2 error
+    min_quantized_bytes=None,
+    lossy_ops=("sum",),
+    lossy_allgather=False,
+    check=True,
+    max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+    rounding="nearest",     # of SUM's codes; "stochastic": unbiased, keyed by seed
+    seed=0,
+    abs_tol=None,           # the error-bounded mode (tolerance.py): at most one of the two
+    rel_tol=None,
+)
+#: the algorithms of the error-bounded mode: two-shot, or exact
+TOLERANCE_ALGORITHMS = ("two_shot", "mpi", "shm")
+ENV_PREFIX = "EQUARX_MPI_"
+
+
+def disabled():
+    """EQUARX_MPI_DISABLE=1: every call exact."""
+    return os.environ.get(ENV_PREFIX + "DISABLE", "0") not in ("", "0")
+
+
+def logging():
+    """EQUARX_MPI_LOG=1: log each call's decision on rank 0."""
+    return os.environ.get(ENV_PREFIX + "LOG", "0") not in ("", "0")
+
+
+def _parse_env(name, text):
+    t = text.strip()
+    if name in ("wire", "algorithm", "rounding"):
+        return t
+    if name == "accuracy":
+        return None if t.lower() == "none" else t if t == "exact" else float(t)
+    if name in ("abs_tol", "rel_tol"):
+        return None if t.lower() == "none" else float(t)
+    if name == "lossy_ops":
+        return tuple(s.strip().lower() for s in t.split(",") if s.strip())
+    if name in ("check", "lossy_allgather"):
+        if t.lower() in ("1", "true", "yes", "on"):
+            return True
+        if t.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(t)
+    if t.lower() == "none" and DEFAULTS[name] is None:
+        return None
+    return int(t, 0)
+
+
+def _from_env():
+    out = {}
+    for name in DEFAULTS:
+        text = os.environ.get(ENV_PREFIX + name.upper())
+        if text is None:
+            continue
+        try:
+            value = _parse_env(name, text)
+            check(_tolerance_defaults(dict(DEFAULTS, **{name: value}), {}))
+        except (TypeError, ValueError) as e:
+            warnings.warn(f"ignoring {ENV_PREFIX}{name.upper()}={text!r}: {e}", stacklevel=3)
+            continue
+        out[name] = value
+    return out
+
+
+def resolve(given):
+    """The full, normalised option dict for options ``given`` in code
+    (TypeError for an unknown name, ValueError for a bad value)."""
+    given = dict(given)
+    unknown = sorted(set(given) - set(DEFAULTS) - {"bits"})
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; "
+                        f"options are {', '.join(sorted(DEFAULTS))}")
+    bits = given.pop("bits", None)
+    if bits is not None:
+        if bits not in formats.BITS_TO_WIRE:
+            raise ValueError(f"bits must be one of {tuple(formats.BITS_TO_WIRE)}, not {bits!r}")
+        wire = formats.BITS_TO_WIRE[bits]
+        if given.get("wire", wire) != wire:
+            raise ValueError(f"bits={bits} and wire={given['wire']!r} disagree")
+        given["wire"] = wire
+    opts = dict(DEFAULTS, **_from_env())
+    opts.update(given)
+    _tolerance_defaults(opts, given)
+    if opts["block_size"] is None and opts["wire"] in formats.WIRES + (formats.MODE_WIRE,):
+        opts["block_size"] = formats.default_block(opts["wire"])
+    if isinstance(opts["lossy_ops"], str):
+        opts["lossy_ops"] = (opts["lossy_ops"],)
+    opts["lossy_ops"] = tuple(sorted(set(o.lower() if isinstance(o, str) else o
+                                         for o in opts["lossy_ops"])))
+    check(opts)
+    opts["seed"] = int(opts["seed"])
+    return opts
+
+
+def _tolerance_defaults(opts, given):
+    """With a tolerance the wire is "mixed" and the algorithm two-shot
+    (also for "auto", the default: the mode's own choice), unless the code
+    names others (check() then refuses them)."""
+    if opts["abs_tol"] is not None or opts["rel_tol"] is not None:
+        if "wire" not in given:
+            opts["wire"] = "mixed"
+        if opts["algorithm"] == "auto" or ("algorithm" not in given and
+                                           opts["algorithm"] not in TOLERANCE_ALGORITHMS):
+            opts["algorithm"] = "two_shot"
+    return opts
+
+
+def _check_tolerance(o):
+    tols = [name for name in ("abs_tol", "rel_tol") if o[name] is not None]
+    for name in tols:
+        t = o[name]
+        if (isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, float, np.integer,
+                                                                   np.floating))
+                or not math.isfinite(t) or t <= 0):
+            raise ValueError(f"{name} must be None or a finite number > 0, not {t!r}")
+    if len(tols) == 2:
+        raise ValueError("give abs_tol or rel_tol, not both")
+    if not tols:
+        if o["wire"] == "mixed":
+            raise ValueError("wire='mixed' is the error-bounded mode's: set abs_tol= or "
+                             "rel_tol= instead")
+        return
+    if o["wire"] != "mixed":
+        raise ValueError(f"{tols[0]}= picks each block's format itself: leave wire unset "
+                         f"(got wire={o['wire']!r})")
+    if o["algorithm"] not in TOLERANCE_ALGORITHMS:
+        raise ValueError(f"{tols[0]}= runs on algorithm 'two_shot' (or the exact 'mpi', "
+                         f"'shm'), not {o['algorithm']!r}")
+    if set(o["lossy_ops"]) - {"sum"}:
+        raise ValueError(f"{tols[0]}= bounds SUM; MAX and MIN stay exact: lossy_ops must "
+                         f"be ('sum',), not {o['lossy_ops']}")
+    if o["rounding"] != "nearest" or o["accuracy"] not in (None, "exact"):
+        raise ValueError(f"{tols[0]}= picks the rounding and the error itself: leave "
+                         f"rounding and accuracy unset")
+
+
+def _is_int(x):
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def check(o):
+    """Raise ValueError for a bad value."""
+    if o["wire"] not in formats.WIRES + (formats.MODE_WIRE,):
+        raise ValueError(f"wire must be one of {formats.WIRES}, not {o['wire']!r}")
+    b = o["block_size"]
+    if b is None:
+        b = formats.default_block(o["wire"])
+    elif not _is_int(b) or b < 32 or b > 4096 or b & (b - 1):
+        raise ValueError(f"block_size must be None or a power of two from 32 to 4096, "
+                         f"not {b!r}")
+    if o["algorithm"] not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
+    _check_tolerance(o)
+    if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES + (
+            formats.MODE_WIRE,):
+        raise ValueError(f"algorithm='two_shot' takes the wires {formats.MANY_INPUT_WIRES}, "
+                         f"not {o['wire']!r}")
+    a = o["accuracy"]
+    if not (a is None or a == "exact" or (isinstance(a, (int, float, np.floating))
+                                          and not isinstance(a, bool) and 0 < a < 1)):
+        raise ValueError(f"accuracy must be None, 'exact' or a relative error between 0 and 1 "
+                         f"(0.02 = 2%), not {a!r}")
+    c = o["chunks"]
+    if c is not None and (not _is_int(c) or c < 1):
+        raise ValueError(f"chunks must be None or an integer >= 1, not {c!r}")
+    q = o["min_quantized_bytes"]
+    if q is not None and (not _is_int(q) or q < 0):
+        raise ValueError(f"min_quantized_bytes must be None or an integer >= 0, not {q!r}")
+    bad = [op for op in o["lossy_ops"] if op not in LOSSY_OPS]
+    if bad:
+        raise ValueError(f"lossy_ops may hold {', '.join(LOSSY_OPS)}, not {bad}")
+    for name in ("check", "lossy_allgather"):
+        if not isinstance(o[name], (bool, np.bool_)):
+            raise ValueError(f"{name} must be True or False, not {o[name]!r}")
+    if o["rounding"] not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, not {o['rounding']!r}")
+    if o["rounding"] == "stochastic" and o["wire"] not in formats.STOCHASTIC_WIRES:
+        raise ValueError(f"rounding='stochastic' takes the wires {formats.STOCHASTIC_WIRES}, "
+                         f"not {o['wire']!r}")
+    if not _is_int(o["seed"]) or not 0 <= o["seed"] < 2 ** 64:
+        raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, not {o['seed']!r}")
+    mm = o["max_message_bytes"]
+    one_block = formats.max_block_bytes(o["wire"], b)
+    if not _is_int(mm) or not one_block <= mm < 2 ** 31:
+        raise ValueError(f"max_message_bytes must be an integer from one block's "
+                         f"{one_block} bytes to 2**31 - 1, not {mm!r}")

@@ -1,0 +1,191 @@
+"""The choice of method for each call, in one place: exact MPI or a
+quantized schedule, how a shard is cut into pieces, and how values round.
+
+Lossy only where the caller asked for it: SUM is quantized by default;
+MAX and MIN only when ``lossy_ops`` names them (then rounded so MAX is
+never below and MIN never above the true result); every other op and
+every non-float dtype is exact.  Small messages take exact MPI too, below
+``min_quantized_bytes`` (default DEFAULT_MIN_QUANTIZED_BYTES).
+
+algorithm="auto" picks, per call, the fastest predicted method among those
+allowed: the exact ones (MPI; the shared window on one node) and the
+quantized ones (ring; two-shot; hierarchical on several nodes of equal
+size) whose error on standard-normal data (costmodel.error) is within
+``accuracy``.  A quantized method must beat the best exact one by
+LOSSY_MARGIN, and among quantized ones the most accurate within LOSSY_MARGIN
+of the fastest wins: accuracy wins near-ties."""
+
+import numpy as np
+
+from equarx_mpi.call.options import disabled
+from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
+    DIRECTED_WIRES,
+    EXACT,
+    KERNEL_OP,
+    MANY_INPUT_WIRES,
+    QUANTIZED_DTYPES,
+    ROUND_STOCHASTIC,
+    dtype_name,
+    rounding,
+)
+
+#: Below this many bytes per rank the exact MPI collective is used by the
+#: named algorithms (not auto, which asks the cost model): one value when
+#: all ranks share a node (shared memory: MPI's copy is cheap, the kernels'
+#: passes over memory are not), one across nodes.  Measured with
+#: ``python -m equarx_mpi.bench``; see README "Defaults".
+DEFAULT_MIN_QUANTIZED_BYTES = {"one_node": 4 << 20, "network": 256 << 10}
+#: auto takes a quantized method only where the model predicts it this much
+#: faster than the best exact one: exactness wins near-ties.
+LOSSY_MARGIN = 1.05
+
+
+def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
+           wrapped=False, off=False):
+    """(method, reason): how this call runs, and why, in words for
+    ``last_call``.  Methods: "copy" (one rank), "mpi" (MPI's own
+    collective), "shm" (exact, through a shared window on one node), or a
+    quantized schedule: "ring", "two_shot", "hierarchical".  ``model``: the
+    communicator's costmodel.Model; ``feedback``: the call carries an
+    ErrorFeedback (auto leaves out the hierarchical schedule, which cannot);
+    ``wrapped``: a wrapped communicator's call, whose exact calls give MPI's
+    own bits (auto leaves out the window, which adds in another order);
+    ``off``: EQUARX_MPI_DISABLE was set when the communicator was made."""
+    if P == 1:
+        return "copy", "one rank: a copy"
+    if off:
+        return "mpi", "EQUARX_MPI_DISABLE is set"
+    alg = opts["algorithm"]
+    if alg == "mpi":
+        return "mpi", "algorithm='mpi'"
+    if dtype not in QUANTIZED_DTYPES:
+        return "mpi", f"dtype {np.dtype(dtype).name} is always exact"
+    if what != "Allgather" and opname not in KERNEL_OP:
+        return "mpi", f"op {opname} is always exact"
+    window = layout.one_node and what == "Allreduce"
+    if alg == "shm":
+        return ("shm", "algorithm='shm': exact, through a shared window") if window else (
+            "mpi", "algorithm='shm' reduces only Allreduce on one node: MPI")
+    if what == "Allgather" and opts["wire"] == "mixed":
+        return "mpi", "the error-bounded mode (abs_tol/rel_tol) quantizes sums only"
+    # exact from here on: through the window where auto may pick it and it pays
+    exact = ["mpi", "shm"] if alg == "auto" and window and not wrapped else ["mpi"]
+    times = {}
+
+    def t(m):
+        if m not in times:
+            times[m] = model.time(m, nbytes, np.dtype(dtype).itemsize, dtype_name(dtype))
+        return times[m]
+
+    best_exact = min(exact, key=t) if len(exact) > 1 else "mpi"   # no model unless auto
+    if what != "Allgather":
+        if opname not in opts["lossy_ops"]:
+            return best_exact, (f"op {opname.upper()} is exact unless lossy_ops "
+                                f"includes {opname!r}")
+        if opname != "sum" and opts["wire"] not in DIRECTED_WIRES:
+            return best_exact, (f"{opname.upper()} travels quantized only on wires that "
+                                f"round up and down: {', '.join(DIRECTED_WIRES)}")
+    # stochastic rounding has twice the error variance of nearest (costmodel)
+    rmode = "stochastic" if rounding(opname, opts["rounding"]) == ROUND_STOCHASTIC else "nearest"
+
+    def error(m):
+        return model.error(m, rmode)
+    lossy, why = _lossy_candidates(opts, what, layout, error, feedback)
+    if not lossy:
+        return best_exact, why
+    least = opts["min_quantized_bytes"]
+    if alg != "auto":       # the measured crossover, no model
+        least = DEFAULT_MIN_QUANTIZED_BYTES["one_node" if layout.one_node else
+                                            "network"] if least is None else least
+    if least is not None and nbytes < least:
+        return best_exact, f"{nbytes} bytes is below min_quantized_bytes={least}"
+    if alg != "auto":
+        return lossy[0], why
+    best = near_fastest(lossy, t, error)
+    if t(best) * LOSSY_MARGIN > t(best_exact):
+        return best_exact, (f"auto: exact is predicted faster: {_predicted(times, best_exact)}, "
+                            f"{_predicted(times, best)}")
+    return best, (f"auto: {_predicted(times, best)}, error {error(best):.2%}; "
+                  f"{_predicted(times, best_exact)}")
+
+
+def near_fastest(methods, t, error):
+    """The most accurate of ``methods`` predicted within LOSSY_MARGIN of the
+    fastest (at 1024 ranks the int8 ring's error is 16x two-shot's, for a
+    few percent of time)."""
+    fastest = min(methods, key=t)
+    return min((m for m in methods if t(m) <= t(fastest) * LOSSY_MARGIN),
+               key=lambda m: (error(m), t(m)))
+
+
+def _predicted(times, m):
+    return f"{m} predicted {times[m] * 1e3:.3g} ms"
+
+
+def _lossy_candidates(opts, what, layout, error, feedback):
+    """(quantized methods this call may take, and why, in words): the
+    algorithm asked for, or under auto every one that fits the call, the
+    wire and ``accuracy`` (``error``: a method's predicted error)."""
+    alg, wire, acc = opts["algorithm"], opts["wire"], opts["accuracy"]
+    if acc == "exact":
+        return [], "accuracy='exact'"
+    if alg == "auto":
+        cands = ["ring"]
+        if wire in MANY_INPUT_WIRES and what != "Allgather":
+            cands.append("two_shot")
+        # with one rank per node it is two-shot plus a window step that
+        # sums nothing: never worth it
+        if what == "Allreduce" and layout.uniform and not layout.one_node and not feedback \
+                and layout.ranks_per_node > 1:
+            cands.append("hierarchical")
+        why = "auto"
+    elif alg == "hierarchical" and not (what == "Allreduce" and layout.uniform
+                                        and not layout.one_node):
+        cands, why = ["ring"], ("hierarchical covers Allreduce across nodes of equal size; "
+                                "this call: the ring")
+    elif alg == "two_shot" and what == "Allgather":
+        cands, why = ["ring"], "two-shot has no all-gather of its own: this call: the ring"
+    else:
+        cands, why = [alg], "quantized"
+    if acc is None:
+        return cands, why
+    fits = [m for m in cands if error(m) <= acc]
+    if not fits:
+        errs = ", ".join(f"{m} {error(m):.2%}" for m in cands)
+        return [], f"accuracy={acc:g}: no quantized method is that accurate ({errs})"
+    return fits, why
+
+
+class Chooser:
+    """choose() for one communicator, remembered per call shape: the model
+    takes tens of microseconds, and a shape's answer never changes.
+    EQUARX_MPI_DISABLE is read once, here: the communicator's maker agrees
+    it across ranks, so that every rank (and crossover) answers alike."""
+
+    def __init__(self, opts, P, layout, model):
+        self.opts, self.P, self.layout, self.model = opts, P, layout, model
+        self.off = disabled()
+        self._seen = {}
+
+    def __call__(self, what, opname, dtype, nbytes, feedback=False, wrapped=False):
+        key = (what, opname, dtype, nbytes, feedback, wrapped)
+        got = self._seen.get(key)
+        if got is None:
+            if len(self._seen) >= 1024:
+                self._seen.clear()
+            got = self._seen[key] = choose(self.opts, what, opname, dtype, nbytes, self.P,
+                                           self.layout, self.model, feedback, wrapped,
+                                           self.off)
+        return got
+
+    def crossover(self, what, opname, dtype, upto):
+        """The smallest size (quarter-octave steps from 1 KiB) that is
+        quantized, or None up to ``upto``."""
+        n = 1024
+        while n <= upto:
+            for step in (4, 5, 6, 7):
+                size = n * step // 4
+                if self(what, opname, dtype, size)[0] not in EXACT:
+                    return size
+            n *= 2
+        return None

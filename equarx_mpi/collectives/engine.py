@@ -1,0 +1,167 @@
+"""Quantized schedules on one communicator: a format per input type, a plan
+per message shape, one workspace, the exact fix-up of flagged blocks, and
+the error bound of each call (bound.py).  QuantizedComm runs one on its
+duplicate of the caller's communicator; the hierarchical schedule one more
+on the communicator between nodes."""
+import collections
+
+import numpy as np
+
+from equarx_mpi.bounds import bound
+from equarx_mpi.collectives import exact, ring, two_shot
+from equarx_mpi.collectives.nodes import in_turn
+from equarx_mpi.collectives.pieces import chunks as pieces_per_shard
+from equarx_mpi.names import KERNEL_OP, ROUND_STOCHASTIC, ROUNDING, kernel_view, rounding
+from equarx_mpi.wire import formats
+
+#: the quantized schedules, by algorithm name
+SCHEDULES = {"ring": ring, "two_shot": two_shot}
+_PLAN_CACHE = 8
+
+
+def warm(fmt, kdtype):
+    """Compile (or load from numba's cache) every kernel the schedules use
+    for one format and element type, with the array layouts they use."""
+    src = np.zeros(2 * fmt.block + 3, kdtype)
+    src.flags.writeable = False
+    out = np.zeros_like(src)
+    w = fmt.views(np.zeros(fmt.nbytes(src.size), np.uint8), src.size)
+    fmt.encode(src, w, ROUNDING["sum"])
+    fmt.decode(w, out)
+    if hasattr(fmt, "decode_reduce"):         # not "mixed": two-shot only
+        fmt.decode_reduce(src, w, out, KERNEL_OP["sum"])
+        fmt.decode_reduce_encode(src, w, w, KERNEL_OP["sum"], ROUNDING["sum"])
+    fmt.piece_error(w, ROUNDING["sum"])
+    if hasattr(fmt, "decode_reduce_many"):
+        two_shot.warm(fmt, kdtype)
+    bound.warm()
+
+
+class Engine:
+    """Runs the quantized collectives of ``opts`` on ``comm`` (which must not
+    carry other traffic of the same tag).  ``compile_first``: this rank
+    compiles the kernels before the others of its node read numba's cache.
+
+    Each collective returns (values reduced exactly afterwards, error
+    bound): the bound, the same on every rank, holds for every value of the
+    result that is finite (docs/ERROR.md); ``record`` (a bound.Record) then
+    gives it per block, until the next call."""
+
+    def __init__(self, comm, opts, one_node, compile_first):
+        self.comm, self.opts, self.one_node = comm, opts, one_node
+        self.compile_first = compile_first
+        self.P, self.rank = comm.Get_size(), comm.Get_rank()
+        self._formats = {}
+        self._plans = collections.OrderedDict()
+        self._ws = np.empty(0, np.uint8)
+        self.record = None
+        #: the error-bounded mode's tolerance.Budget of the next call (its
+        #: "mixed" format's), set by QuantizedComm
+        self.budget = None
+
+    def free(self):
+        self._plans.clear()
+        self._ws = None
+
+    def allreduce(self, algorithm, send, recv, name, op, e_own=0.0, feedback=None,
+                  fix_up=True):
+        """recv = op over ranks of send (None: recv's values); flat arrays.
+        ``e_own`` bounds the error this rank's input already carries;
+        ``feedback`` (an ErrorFeedback) notes what each quantization lost.
+        ``fix_up=False`` leaves the flagged blocks as they are, for the
+        caller to reduce from other values than send's (the hierarchical
+        schedule's): returns (their ranges, the bound of the others)."""
+        own = recv if send is None else send
+        n, B, P = recv.size, self.opts["block_size"], self.P
+        nb = -(-n // B)
+        edges = [min(s * nb // P * B, n) for s in range(P + 1)]
+        shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
+        ranges, tally = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0, e_own,
+                                  feedback)
+        if not fix_up:
+            return ranges, self._bound(tally, 0.0, n, 0)
+        fixed, fix = exact.fix_allreduce(self.comm, ranges, own, recv, op, e_own)
+        return fixed, self._bound(tally, fix, n, 0)
+
+    def reduce_scatter(self, algorithm, send, recv, name, op):
+        P, r = self.P, self.rank
+        own = recv if send is None else send
+        m = own.size // P
+        # in place the result is staged, so the input survives for a fix-up
+        out = recv[:m] if send is not None else np.empty(m, recv.dtype)
+        ranges, tally = self._run(algorithm, "reduce_scatter", [(s * m, m) for s in range(P)],
+                                  own, out, name, 0, r * m)
+        # each rank's result is its own: the fix-up's agreement shares the bounds
+        fixed, fix, most = exact.fix_reduce_scatter(self.comm, ranges, own, out, op, r, m,
+                                                    tally.finish())
+        if send is None:
+            recv[:m] = out
+        self._set_record(tally, fix, m, r * m)
+        return fixed, max(most, fix)
+
+    def allgather(self, send, recv):
+        """Each value is quantized once by its owner: every algorithm forwards
+        the bytes around the ring."""
+        P, r = self.P, self.rank
+        m = recv.size // P
+        own = recv[r * m:(r + 1) * m] if send is None else send
+        ranges, tally = self._run("ring", "allgather", [(s * m, m) for s in range(P)], own,
+                                  recv, "sum", r * m, 0)
+        # flagged blocks travel exactly (their owner's bits)
+        return exact.fix_allgather(self.comm, ranges, own, recv, r), self._bound(
+            tally, 0.0, recv.size, 0)
+
+    def _set_record(self, tally, fix, n, offset):
+        """Keep what the per-block bounds of this call need."""
+        self.record = bound.Record(n, self.opts["block_size"], lambda: tally.segments(fix),
+                                   offset)
+
+    def _bound(self, tally, fix, n, offset):
+        """The call's bound: its schedule's and its fix-up's."""
+        self._set_record(tally, fix, n, offset)
+        return max(tally.finish(), fix)
+
+    def _format(self, kdtype):
+        fmt = self._formats.get(kdtype.str)
+        if fmt is None:
+            fmt = formats.make_format(self.opts["wire"], self.opts["block_size"], kdtype)
+            in_turn(self.compile_first, self.comm, lambda: warm(fmt, kdtype))
+            self._formats[kdtype.str] = fmt
+        return fmt
+
+    def _workspace(self, nbytes):
+        if self._ws.size < nbytes:
+            self._plans.clear()
+            self._ws = np.empty(nbytes, np.uint8)
+        return self._ws
+
+    def _run(self, algorithm, kind, shards, own, out, name, own_offset, out_offset,
+             e_own=0.0, feedback=None):
+        """Run a schedule; own and out are the caller's arrays.  Returns the
+        flagged ranges and the bound.Tally."""
+        own = kernel_view(own, writable=False)
+        out = kernel_view(out, writable=True)
+        fmt = self._format(own.dtype)
+        biggest = max(length for _, length in shards) * own.dtype.itemsize
+        chunks = pieces_per_shard(self.opts, self.one_node, biggest)
+        schedule = SCHEDULES[algorithm]
+        key = (algorithm, kind, tuple(shards), chunks, own.dtype.str)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = schedule.Plan(kind, fmt, shards, self.rank, chunks, self.opts["block_size"],
+                                 self.opts["max_message_bytes"], self._workspace)
+            self._plans[key] = plan
+            while len(self._plans) > _PLAN_CACHE:
+                self._plans.popitem(last=False)
+        else:
+            self._plans.move_to_end(key)
+        rmode = rounding(name, self.opts["rounding"])
+        if rmode == ROUND_STOCHASTIC:
+            fmt.begin_call(self.opts["seed"], self.rank, own, own_offset)
+        fmt.budget = self.budget
+        tally = bound.Tally(fmt, own.dtype, name == "sum", rmode, e_own)
+        if feedback is not None:
+            fmt = feedback.format(fmt, own, out)
+        ranges = schedule.run(self.comm, plan, fmt, own, out, KERNEL_OP[name], rmode,
+                              own_offset, out_offset, tally)
+        return ranges, tally

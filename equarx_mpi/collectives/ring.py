@@ -1,0 +1,146 @@
+"""The pipelined ring: reduce-scatter then all-gather, on any wire format.
+
+Rank r owns shard r.  Reduce-scatter step k (k = 0..P-2): send the partial
+sum of shard (r-k-1) to the right neighbour, receive shard (r-k-2) from the
+left, reduce our own values into it and requantize it for the next step.
+After the last step rank r holds shard r fully reduced; it quantizes it once
+and the all-gather forwards those bytes unchanged around the ring, so every
+rank (the owner included) decodes identical bytes into identical results,
+and knows the same flagged blocks.
+
+Every shard is cut into block-aligned pieces, each its own message: the
+kernel of one piece runs while the next is on the wire, and a piece is
+forwarded as soon as it is reduced (chunks of consecutive steps overlap).
+All receives are posted up front into their own workspace slots.  Each link
+carries messages in one order on both sides, so one tag suffices (MPI's
+non-overtaking rule matches them in order).
+
+Every message ends in the error bound of its values (bound.TRAILER): each
+hop adds its own rounding to the trailer it received (bound.Tally), so the
+all-gathered trailers bound the result, the same on every rank.
+"""
+
+from mpi4py import MPI
+
+from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, fail, message_bytes
+
+TAG = 7
+
+
+class Plan:
+    """Where each piece of each shard lives, for one rank, one message shape
+    and one kind of operation.  Built once, reused by every call of that shape.
+
+    kind: "allreduce" (2P slots), "reduce_scatter" (P slots: step 0 and one
+    per receive step) or "allgather" (P slots, one per shard)."""
+
+    def __init__(self, kind, fmt, shards, rank, chunks, block, max_piece_bytes,
+                 workspace):
+        P = len(shards)
+        self.kind, self.P, self.rank = kind, P, rank
+        cuts = cut(fmt, shards, chunks, block, max_piece_bytes)
+        layout = []
+        for pieces in cuts:
+            offs, at = [], 0
+            for lo, hi in pieces:
+                offs.append(at)
+                at += message_bytes(fmt, hi - lo)
+            layout.append((offs, at))
+        slot = max(total for _, total in layout)
+        nslots = {"allreduce": 2 * P, "reduce_scatter": P, "allgather": P}[kind]
+        self.workspace_bytes = nslots * slot
+        ws = workspace(self.workspace_bytes)
+
+        def pieces_in(k, s):
+            base = k * slot
+            out = []
+            for (lo, hi), b in zip(cuts[s], layout[s][0]):
+                nb = message_bytes(fmt, hi - lo)
+                buf = ws[base + b:base + b + nb]
+                out.append(Piece(lo, hi, buf, fmt.views(buf, hi - lo)))
+            return out
+
+        r = rank
+        rs = kind in ("allreduce", "reduce_scatter")
+        ag_base = P if kind == "allreduce" else 0
+        self.rs_first = pieces_in(0, (r - 1) % P) if rs else []
+        self.rs_steps = [pieces_in(k + 1, (r - k - 2) % P)
+                         for k in range(P - 1)] if rs else []
+        ag = kind in ("allreduce", "allgather")
+        self.ag_own = pieces_in(ag_base + r, r) if ag else []
+        self.ag_steps = [pieces_in(ag_base + (r - k - 1) % P, (r - k - 1) % P)
+                         for k in range(P - 1)] if ag else []
+
+
+def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0, tally=None):
+    """Execute ``plan``.  own is the read-only input and out the output (kernel
+    views); own[i] is global element i + own_offset, out[i] is i + out_offset.
+    Returns the global (lo, hi) ranges of the blocks the final decodes
+    skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
+    (a bound.Tally) keeps the error bound; None skips that bookkeeping."""
+    try:
+        return _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally)
+    except BaseException as exc:
+        fail(comm, exc)
+        raise
+
+
+def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
+    P = plan.P
+    left, right = (plan.rank - 1) % P, (plan.rank + 1) % P
+    recvs = [comm.Irecv(p.buf, left, TAG)
+             for step in plan.rs_steps + plan.ag_steps for p in step]
+    sends, flagged = [], []
+    nxt = iter(recvs)
+
+    def decode(p, dst):
+        skipped = fmt.decode(p.w, dst)
+        if skipped.size:
+            flagged.extend(block_ranges(p, skipped, fmt.block))
+
+    for p in plan.rs_first:
+        fmt.encode(own[p.lo:p.hi], p.w, rmode)
+        if tally:
+            tally.start(p)
+        sends.append(comm.Isend(p.buf, right, TAG))
+    for k, step in enumerate(plan.rs_steps):
+        last = k == P - 2
+        for j, p in enumerate(step):
+            next(nxt).Wait()
+            mine = own[p.lo:p.hi]
+            e_in = float(p.t[1])     # before the payload is rewritten in place
+            if not last:
+                fmt.decode_reduce_encode(mine, p.w, p.w, op, rmode)
+                if tally:
+                    tally.hop(e_in, p)
+                sends.append(comm.Isend(p.buf, right, TAG))
+            elif plan.kind == "reduce_scatter":
+                res = out[p.lo - out_offset:p.hi - out_offset]
+                skipped = fmt.decode_reduce(mine, p.w, res, op)
+                if tally:
+                    tally.result(p.lo, p.hi, res, skipped, fmt.block, e_in=e_in)
+                flagged.extend(block_ranges(p, skipped, fmt.block))
+            else:
+                q = plan.ag_own[j]
+                fmt.decode_reduce_encode(mine, p.w, q.w, op, rmode)
+                if tally:
+                    tally.hop(e_in, q, final=True)
+                sends.append(comm.Isend(q.buf, right, TAG))
+                decode(q, out[q.lo:q.hi])
+    if plan.kind == "allgather":
+        for q in plan.ag_own:
+            fmt.encode(own[q.lo - own_offset:q.hi - own_offset], q.w, rmode)
+            if tally:
+                tally.start(q, final=True)
+            sends.append(comm.Isend(q.buf, right, TAG))
+            decode(q, out[q.lo:q.hi])
+    for k, step in enumerate(plan.ag_steps):
+        for p in step:
+            next(nxt).Wait()
+            if k < P - 2:
+                sends.append(comm.Isend(p.buf, right, TAG))
+            if tally:
+                tally.final.append(p)
+            decode(p, out[p.lo:p.hi])
+    MPI.Request.Waitall(sends)
+    return flagged

@@ -1,0 +1,311 @@
+"""The wire formats, one class each, and the table from wire name to class
+(wire/base.py says what a format offers; wire/mixed.py is the error-bounded
+mode's)."""
+import math
+
+import numpy as np
+
+from equarx_mpi import kernels as K
+from equarx_mpi.bounds import bound
+from equarx_mpi.wire.base import (  # noqa: F401
+    BITS_TO_WIRE,
+    DEFAULT_BLOCK,
+    MODE_WIRE,
+    WIRES,
+    Format,
+    _largest_below,
+    acc_dtype,
+    default_block,
+    pad8,
+)
+from equarx_mpi.wire.mixed import Mixed
+
+
+class _Symmetric(Format):
+    """A block format whose header is the block's largest magnitude ``a``
+    and whose quantization error is at most coef * a + eta (docs/FORMAT.md):
+    coef from ``_coefs(u)`` = (to nearest, directed)."""
+
+    def __init__(self, block, kdtype):
+        super().__init__(block, kdtype)
+        self.head = acc_dtype(kdtype)
+        u, self._eta = bound.acc_rounding(self.head)
+        self._coef = self._coefs(u)
+
+    def block_errors(self, w, rmode):
+        a = w[0].astype(np.float64)
+        return self._coef[rmode != K.ROUND_NEAREST] * a + self._eta, a
+
+    def piece_error(self, w, rmode, limit=math.inf):
+        a = _largest_below(w[0], limit)
+        return self._coef[rmode != K.ROUND_NEAREST] * a + self._eta, a
+
+
+class Int8Block(_Symmetric):
+    """Dynamic block-wise symmetric int8: per block its largest magnitude
+    in the accumulation type, then the int8 codes (docs/FORMAT.md)."""
+    name = "int8"
+
+    @staticmethod
+    def _coefs(u):
+        return (0.5 + 640 * u) / 127, (1 + 640 * u) / 127
+
+    def nbytes(self, n):
+        return pad8(self.head.itemsize * -(-n // self.block) + n)
+
+    def views(self, buf, n):
+        h = self.head.itemsize * -(-n // self.block)
+        return buf[:h].view(self.head), buf[h:h + n].view(np.int8)
+
+    def encode(self, src, w, rmode):
+        K.i8_encode(src, w[0], w[1], self.block, self.scratch, rmode, self._stream(src, rmode))
+
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.i8_decode(w[0], w[1], out, self.block, skipped)]
+
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.i8_decode_reduce(own, w[0], w[1], out, self.block, op,
+                                           self.scratch, skipped)]
+
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.i8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
+                                  self.scratch, rmode, self._stream(own, rmode))
+
+    def stack_views(self, buf, n, count, stride=None):
+        # (headers, one row each; whole messages as int8 rows; where codes
+        # start); messages ``stride`` bytes apart (default: back to back)
+        size = stride or self.nbytes(n)
+        rows = buf[:count * size].reshape(count, size)
+        h = self.head.itemsize * -(-n // self.block)
+        return rows[:, :h].view(self.head), rows.view(np.int8), h
+
+    def decode_reduce_many(self, own, pos, ws, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.i8_decode_reduce_many(own, pos, ws[0], ws[1], ws[2], out, self.block,
+                                                op, self.scratch, skipped)]
+
+    def decode_reduce_encode_many(self, own, pos, ws, wo, op, rmode):
+        K.i8_decode_reduce_encode_many(own, pos, ws[0], ws[1], ws[2], wo[0], wo[1], self.block,
+                                       op, self.scratch, rmode, self._stream(own, rmode))
+
+
+
+class Int4Block(_Symmetric):
+    """Symmetric int4, two codes per byte: per block its largest magnitude
+    in the accumulation type, then the codes (kernels/int4.py)."""
+    name = "int4"
+    nibbles = True
+
+    @staticmethod
+    def _coefs(u):
+        return (0.5 + 40 * u) / 7, (1 + 40 * u) / 7
+
+    def nbytes(self, n):
+        return pad8(self.head.itemsize * -(-n // self.block) + (n + 1) // 2)
+
+    def views(self, buf, n):
+        h = self.head.itemsize * -(-n // self.block)
+        return buf[:h].view(self.head), buf[h:h + (n + 1) // 2].view(np.int8)
+
+    def encode(self, src, w, rmode):
+        K.i4_encode(src, w[0], w[1], self.block, self.scratch, rmode, self._stream(src, rmode))
+
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.i4_decode(w[0], w[1], out, self.block, skipped)]
+
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.i4_decode_reduce(own, w[0], w[1], out, self.block, op,
+                                           self.scratch, skipped)]
+
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.i4_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
+                                  self.scratch, rmode, self._stream(own, rmode))
+
+
+class Fp8Block(_Symmetric):
+    """e4m3 codes scaled per block so its largest magnitude maps to 448:
+    per block that magnitude in the accumulation type, then one code byte
+    per value (kernels/fp8.py)."""
+    name = "fp8"
+
+    @staticmethod
+    def _coefs(u):
+        # relative per value (|x| <= a) plus the subnormal codes' spacing
+        return 1 / 17 + 6 * u + (1 + 4 * u) / 458752, 1 / 8 + 16 * u + (1 + 4 * u) / 229376
+
+    def nbytes(self, n):
+        return pad8(self.head.itemsize * -(-n // self.block) + n)
+
+    def views(self, buf, n):
+        h = self.head.itemsize * -(-n // self.block)
+        return buf[:h].view(self.head), buf[h:h + n].view(np.uint8)
+
+    def encode(self, src, w, rmode):
+        K.f8_encode(src, w[0], w[1], self.block, self.scratch, rmode)
+
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.f8_decode(w[0], w[1], out, self.block, skipped)]
+
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.f8_decode_reduce(own, w[0], w[1], out, self.block, op,
+                                           self.scratch, skipped)]
+
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.f8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
+                                  self.scratch, rmode)
+
+
+class AffineBlock(Format):
+    """Unsigned levels between each block's minimum and maximum, for data
+    with an offset: per block (lo, hi) in the accumulation type, then one
+    code per byte ("int8-affine", 255 levels) or two ("int4-affine", 15)
+    (kernels/affine.py)."""
+
+    def __init__(self, name, block, kdtype):
+        self.name = name
+        self.nibbles = name == "int4-affine"
+        super().__init__(block, kdtype)
+        self.levels = 15 if self.nibbles else 255
+        self.head = acc_dtype(kdtype)
+        self.scratch = np.empty(2 * block, self.head)     # values and their codes
+        u, self._eta = bound.acc_rounding(self.head)
+        L = self.levels
+        # (range / 2, largest magnitude) coefficients, to nearest and directed
+        self._coef = ((1 / L + 32 * u, 2 * u), (2 / L + 64 * u, 4 * u))
+
+    def block_errors(self, w, rmode):
+        h = w[0].astype(np.float64)
+        lo, hi = h[0::2], h[1::2]
+        M = np.maximum(-lo, hi)                 # max(|lo|, |hi|), as lo <= hi
+        c_range, c_mag = self._coef[rmode != K.ROUND_NEAREST]
+        # half the range without overflow; one more eta for its rounding
+        return (hi * 0.5 - lo * 0.5) * c_range + c_mag * M + 3 * self._eta, M
+
+    def piece_error(self, w, rmode, limit=math.inf):
+        q, M = self.block_errors(w, rmode)
+        keep = M < limit
+        if not keep.all():
+            q, M = q[keep], M[keep]
+        return (float(q.max()), float(M.max())) if q.size else (0.0, 0.0)
+
+    def _code_bytes(self, n):
+        return (n + 1) // 2 if self.nibbles else n
+
+    def nbytes(self, n):
+        return pad8(2 * self.head.itemsize * -(-n // self.block) + self._code_bytes(n))
+
+    def views(self, buf, n):
+        h = 2 * self.head.itemsize * -(-n // self.block)
+        return buf[:h].view(self.head), buf[h:h + self._code_bytes(n)]
+
+    def encode(self, src, w, rmode):
+        K.af_encode(src, w[0], w[1], self.block, self.levels, self.scratch, rmode)
+
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.af_decode(w[0], w[1], out, self.block, self.levels, skipped)]
+
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.af_decode_reduce(own, w[0], w[1], out, self.block, self.levels, op,
+                                           self.scratch, skipped)]
+
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.af_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, self.levels,
+                                  op, self.scratch, rmode)
+
+
+class Plain(Format):
+    """Uncompressed values on the wire: the baselines the paper compares
+    against.  "bf16" carries bfloat16, except for float16 input, which
+    travels as float16 (bfloat16 would lose three of its bits and overflow
+    its largest values); "fp32" carries float32."""
+
+    def __init__(self, name, block, kdtype):
+        super().__init__(block, kdtype)
+        self.name = name
+        if name == "fp32":
+            self.wire = np.dtype(np.float32)
+        else:
+            self.wire = np.dtype(np.int16 if kdtype == np.int16 else np.uint16)
+        self.decode_rounds = self.wire.itemsize != 2
+        self.skips_overflow = False
+        # rounding to the wire type: none from float32 to float32, twice
+        # from float64 to 16 bits (through float32), else once
+        acc = acc_dtype(kdtype)
+        u, eta = bound.ROUNDING[self.wire]
+        times = 0 if self.wire == acc else 2 if acc == np.float64 and self.wire.itemsize == 2 else 1
+        self._round = (times * u, times * eta)
+
+    def block_errors(self, w, rmode):
+        mag = bound.block_magnitudes(w, self.block)   # Inf where Inf or NaN is inside
+        with np.errstate(invalid="ignore"):            # 0 * Inf: such blocks are skipped
+            q = self._round[0] * mag + self._round[1]
+        return q, mag + q
+
+    def piece_error(self, w, rmode, limit=math.inf):
+        # the decode skips only blocks holding Inf or NaN
+        q, m = self.block_errors(w, rmode)
+        keep = m < math.inf
+        if not keep.all():
+            q, m = q[keep], m[keep]
+        return (float(q.max()), float(m.max())) if q.size else (0.0, 0.0)
+
+    def nbytes(self, n):
+        return pad8(n * self.wire.itemsize)
+
+    def views(self, buf, n):
+        return buf[:n * self.wire.itemsize].view(self.wire)
+
+    def encode(self, src, w, rmode):
+        K.plain_encode(src, w)
+
+    def decode(self, w, out):
+        skipped = self._skip(out.size)
+        return skipped[:K.plain_decode(w, out, self.block, skipped)]
+
+    def decode_reduce(self, own, w, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.plain_decode_reduce(own, w, out, self.block, op, self.scratch,
+                                              skipped)]
+
+    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+        K.plain_decode_reduce_encode(own, wi, wo, op)
+
+    def stack_views(self, buf, n, count, stride=None):
+        size = stride or self.nbytes(n)
+        return buf[:count * size].view(self.wire).reshape(count, size // self.wire.itemsize)
+
+    def decode_reduce_many(self, own, pos, ws, out, op):
+        skipped = self._skip(out.size)
+        return skipped[:K.plain_decode_reduce_many(own, pos, ws, out, self.block, op,
+                                                   self.scratch, skipped)]
+
+    def decode_reduce_encode_many(self, own, pos, ws, wo, op, rmode):
+        K.plain_decode_reduce_encode_many(own, pos, ws, wo, self.block, op, self.scratch)
+
+
+def make_format(wire, block, kdtype):
+    """The format for wire name ``wire`` and inputs of kernel type ``kdtype``."""
+    make = _MAKERS.get(wire)
+    if make is None:
+        raise ValueError(f"wire must be one of {WIRES}, not {wire!r}")
+    return make(block, np.dtype(kdtype))
+
+
+#: wire name -> format for (block, kernel element type)
+_MAKERS = {"int8": Int8Block, "int4": Int4Block, "fp8": Fp8Block, "mixed": Mixed,
+           "bf16": lambda b, kd: Plain("bf16", b, kd), "fp32": lambda b, kd: Plain("fp32", b, kd),
+           "int8-affine": lambda b, kd: AffineBlock("int8-affine", b, kd),
+           "int4-affine": lambda b, kd: AffineBlock("int4-affine", b, kd)}
+
+
+def max_block_bytes(wire, block):
+    """The most bytes one block can take on the wire (any input type)."""
+    return max(make_format(wire, block, dt).nbytes(block) for dt in (np.float32, np.float64))
