@@ -5,19 +5,17 @@ for nonblocking and persistent calls, in the progress thread
 (nonblocking.py)."""
 import math
 import os
-import sys
-import threading
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from equarx_mpi.bounds import bound, tolerance
-from equarx_mpi.call import options, policy
+from equarx_mpi.call import options, plan, policy
 from equarx_mpi.call.agree import abort_on_exception, agree, raise_agreed
 from equarx_mpi.call.buffers import OPAQUE
 from equarx_mpi.call.nonblocking import FREED, Executor, PersistentRequest
-from equarx_mpi.call.records import Call, CallInfo, Stats, uncompressed_bytes  # noqa: F401 (public here)
+from equarx_mpi.call.records import Call, CallInfo, Ledger, Stats, uncompressed_bytes  # noqa: F401 (public here)
 from equarx_mpi.call.validate import check_buffers, op_name
 from equarx_mpi.collectives import exact
 from equarx_mpi.collectives.counting import Counting
@@ -41,12 +39,8 @@ class QuantizedComm:
     MPI.FLOAT], [buf, (count, displ), MPI.FLOAT]; ``MPI.IN_PLACE`` or None
     as sendbuf (or the same buffer twice for Allreduce) works in place.
 
-    Options (keywords, each also settable as EQUARX_MPI_<NAME>): wire,
-    block_size, algorithm, accuracy, chunks, min_quantized_bytes, lossy_ops,
-    lossy_allgather, check, max_message_bytes, rounding, seed, and the
-    error-bounded mode's abs_tol / rel_tol (a float SUM's last_error_bound
-    never above the tolerance; tolerance.py); what each means and its
-    default: options.py.
+    Options: keywords, each also settable as EQUARX_MPI_<NAME>; what each
+    means and its default: docs/OPTIONS.md.
 
     After each call ``last_call`` (a CallInfo) says which path it took, what
     it sent and how long it ran; ``stats`` (a Stats) sums all calls.  With
@@ -105,19 +99,20 @@ class QuantizedComm:
         self._engine = Engine(self._comm, o, self.one_node, compile_first)
         self._compile_first = compile_first
         self._shm = self._hier = self._between = None    # made on first use (collective)
-        self.last_call = None
-        self._blocks = None         # the last call's bound.Record (block_bounds)
         self._size = self._comm.Get_size()
-        self._totals = [0, 0, 0, 0, 0.0]      # Stats' fields, summed
-        self._lock = threading.Lock()
-        self._log = options.logging() and self._comm.Get_rank() == 0
+        self._ledger = Ledger(self._size, options.logging() and self._comm.Get_rank() == 0)
+        self._record = self._ledger.note
         self._exec = Executor()
 
     @property
     def stats(self):
         """Totals over all calls so far (a Stats)."""
-        with self._lock:
-            return Stats(*self._totals)
+        return self._ledger.stats()
+
+    @property
+    def last_call(self):
+        """What the last call did (a CallInfo), None before the first."""
+        return self._ledger.last
 
     @property
     def last_error_bound(self):
@@ -140,8 +135,7 @@ class QuantizedComm:
         valid until the next call, whose workspace it reads.  Fills and
         returns ``out`` (float64, ceil(n/B) values) if given, else a new
         array."""
-        with self._lock:
-            rec = self._blocks
+        rec = self._ledger.blocks
         if rec is None:
             raise ValueError("equarx_mpi: block_bounds needs a finished call first")
         if type(rec) is tuple:      # an exact call's (n, one bound for every block)
@@ -233,55 +227,50 @@ class QuantizedComm:
     # --- internals --------------------------------------------------------------
     def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False, persistent=False,
                  feedback=None):
-        """Checks agreed across ranks, and the choice of path: a Call.
+        """A Call: the arguments checked and agreed across ranks, the
+        method chosen, and where its error bound comes from (call/plan.py).
         With opaque_ok (a wrapped communicator) a buffer only MPI can read
         gives a Call with recv OPAQUE, for MPI to run unchanged, and auto's
-        exact calls are MPI's own (policy.choose's ``wrapped``).  An exact
-        float sum's error bound needs the largest input magnitude, agreed
-        with the rest; ``persistent``: the values come later, so each run
-        finds it (_execute)."""
+        exact calls are MPI's own (policy.choose's ``wrapped``);
+        ``persistent``: the values come when each Start() runs."""
         if self._comm is None:
             raise ValueError(FREED)
         P = self._size
         send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok)
         name = "sum" if what == "Allgather" else (
             op_name(op) if isinstance(op, MPI.Op) else None)
-        method, reason, nbytes = "mpi", "device memory or a derived datatype: MPI unchanged", 0
-        if err is None and recv is not OPAQUE:
-            nbytes = dict(meta)["count"] * recv.dtype.itemsize
-            if nbytes == 0:
-                method, reason = ("copy" if P == 1 else "mpi"), "empty message"
-            else:
-                method, reason = self._choose(what, name, recv.dtype, nbytes,
-                                              feedback is not None, opaque_ok)
+        known = err is None and recv is not OPAQUE
+        nbytes = dict(meta)["count"] * recv.dtype.itemsize if known else 0
+        if not known:
+            method, reason = "mpi", "device memory or a derived datatype: MPI unchanged"
+        elif nbytes == 0:
+            method, reason = ("copy" if P == 1 else "mpi"), "empty message"
+        else:
+            method, reason = self._choose(what, name, recv.dtype, nbytes,
+                                          feedback is not None, opaque_ok)
         if feedback is not None and err is None:
             err = feedback_error(feedback, name, recv, method)
-        # with feedback the values reduced are known only when the call runs
+        dtype = recv.dtype if known and err is None else None
         later = persistent or feedback is not None
-        dtype = None if err is not None or recv is OPAQUE else recv.dtype
-        sums = exact.sums_floats(what, name, dtype, P)
-        tolerant = self._tolerant and nbytes and sums
+        tolerant = bool(self._tolerant and nbytes and exact.sums_floats(what, name, dtype, P))
         if tolerant and later and err is None:
             err = ValueError(tolerance.NOT_PERSISTENT)
-        # the window finds it on the way (shm.py), as long as no rank's
-        # input moved (feedback)
-        window_most = method == "shm" and feedback is None and not tolerant
-        needs_most = ((method in policy.EXACT and not window_most) or tolerant) and sums
+        source = plan.bound_source(what, name, dtype, P, method, nbytes, later, self.check,
+                                   feedback is not None, tolerant)
         most = None
-        if needs_most and self.check and not later and nbytes:
+        if source == plan.AGREED and self.check:
             most = exact.largest(recv if send is None else send)
         meta = meta + [("feedback", int(feedback is not None))]
-        if self.check:   # the path too: EQUARX_MPI_DISABLE could differ between ranks
+        if self.check:   # the method too: EQUARX_MPI_DISABLE could differ between ranks
             most = agree(self._ctl, what, meta + [("method", method)], err, most)
         elif err is not None:
             raise err
-        c = Call(what, send, recv, op, name, method, reason, nbytes, feedback=feedback)
+        c = Call(what, send, recv, op, name, method, reason, nbytes, source, feedback)
         if tolerant:          # check=False: its own 8-byte MAX Allreduce finds M
-            most = tolerance.settle(self.options, c, P, most, self._ctl)
-        if c.method in policy.EXACT and c.bound is None and not (needs_most and later
-                                                                    and self.check) \
-                and not (window_most and sums):
-            c.bound = exact.error_bound(what, name, dtype, P, most) if nbytes else 0.0
+            most = plan.settle(self.options, c, P, most, self._ctl)
+        if c.bound is None and c.bound_from in plan.WHEN_PREPARED:
+            c.bound = 0.0 if known and not nbytes else exact.error_bound(what, name, dtype, P,
+                                                                         most)
         return c
 
     def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
@@ -300,103 +289,67 @@ class QuantizedComm:
         # still holds against the caller's values: each rank's input moved
         # by at most e_own
         own = c.recv if c.send is None else c.send
-        adj = fb.begin(own)
-        info = self._run(Call(c.what, adj, c.recv, c.op, c.name, c.method, c.reason,
-                              c.nbytes, feedback=fb), fb.moved(own))
+        info = self._run(c.with_input(fb.begin(own)), fb.moved(own))
         fb.end(c.recv)
         return info
 
     def _run(self, c, e_own=0.0):
-        """_execute without the feedback's part; ``e_own`` bounds how far
-        this rank's values are from the caller's."""
-        t0, P = time.perf_counter(), self._size
+        """_execute without the feedback's part: the method's runner (_RUN);
+        ``e_own`` bounds how far this rank's values are from the caller's."""
+        t0 = time.perf_counter()
         comms = (self._comm,) + ((self._hierarchy()[0].inter,)
                                  if c.method == "hierarchical" else ())
         sent0, polite = sum(m.sent for m in comms), self._exec.in_thread()
         for m in comms:
             m.polite = polite
-        if c.quantize:
-            self._engine.budget = c.budget
-            fixed, err, rec = self._quantized(c, e_own)
-            return self._record(c, CallInfo(c.what, c.method, self.wire, c.reason, fixed,
-                                            sum(m.sent for m in comms) - sent0,
-                                            time.perf_counter() - t0, err), rec)
-        err = c.bound
-        # values known only now (persistent, feedback); the window finds
-        # them itself unless inputs moved
-        if err is None and (c.method != "shm" or c.feedback is not None):
-            err = exact.bound_now(self._comm, c.what, c.name, c.send, c.recv, e_own)
-        if c.method == "shm":
-            most = self._window().allreduce(c.send, c.recv, c.op)
-            if err is None:
-                err = exact.error_bound(c.what, c.name, c.recv.dtype, P, most)
-        elif P == 1:
-            if c.send is not None:
-                c.recv[...] = c.send
-        elif c.what == "Allgather":
+        fixed, err, rec = _RUN[c.method](self, c, e_own)
+        sent = sum(m.sent for m in comms) - sent0 if c.quantize else \
+            uncompressed_bytes(c.what, c.nbytes, self._size)
+        return self._record(c, CallInfo(c.what, c.method, self.wire if c.quantize else None,
+                                        c.reason, fixed, sent, time.perf_counter() - t0, err),
+                            rec)
+
+    # --- the runners, one per method: (values fixed up, bound, bound.Record) -----
+    def _exact_bound(self, c, e_own):
+        """An exact call's bound, before it runs (it may overwrite its input)."""
+        if c.bound_from == plan.AT_RUN:
+            return exact.bound_now(self._comm, c.what, c.name, c.send, c.recv, e_own)
+        return c.bound
+
+    def _copy(self, c, e_own):
+        if c.send is not None:
+            c.recv[...] = c.send
+        return 0, self._exact_bound(c, e_own), None
+
+    def _mpi(self, c, e_own):
+        err = self._exact_bound(c, e_own)
+        if c.what == "Allgather":
             exact.gather(self._comm, c.send, c.recv)
         else:
             exact.collective(self._comm, c.what, c.send, c.recv, c.op)
-        return self._record(c, CallInfo(c.what, c.method, None, c.reason, 0,
-                                        uncompressed_bytes(c.what, c.nbytes, P),
-                                        time.perf_counter() - t0, err))
+        return 0, err, None
 
-    def _timed(self, c, fn):
-        """fn(): MPI's own call for c, made by a wrapped communicator with
-        the caller's arguments (or a nonblocking one started); recorded like
-        any call, after the calls queued before it, so that last_call is the
-        last call made once they finish."""
-        t0 = time.perf_counter()
-        result = fn()
-        info = CallInfo(c.what, "mpi", None, c.reason, 0,
-                        uncompressed_bytes(c.what, c.nbytes, self._size),
-                        time.perf_counter() - t0, math.inf if c.bound is None else c.bound)
-        self._exec.note(lambda i: self._record(c, i), info)
-        return result
+    def _shm(self, c, e_own):
+        err = self._exact_bound(c, e_own)
+        most = self._window().allreduce(c.send, c.recv, c.op)
+        if c.bound_from == plan.WINDOW:
+            err = exact.error_bound(c.what, c.name, c.recv.dtype, self._size, most)
+        return 0, err, None
 
-    def _result_size(self, c):
-        """Values of this rank's result."""
-        if c.recv is OPAQUE:
-            return 0
-        if c.what == "Reduce_scatter_block" and c.send is None:
-            return c.recv.size // self._size
-        return c.recv.size
-
-    def _record(self, c, info, rec=None):
-        """Note a finished call: last_call, the totals, the log line, and
-        what block_bounds needs (``rec``; exact calls: their one bound, made
-        a Record only if asked for)."""
-        if rec is None:
-            rec = (self._result_size(c), info.error_bound)
-        with self._lock:
-            t = self._totals
-            t[0] += 1
-            t[1] += bool(c.quantize)
-            t[2] += info.bytes_sent
-            t[3] += uncompressed_bytes(c.what, c.nbytes, self._size)
-            t[4] += info.seconds
-            self.last_call = info
-            self._blocks = rec
-        if self._log:
-            what = "?" if c.recv is OPAQUE else f"{c.nbytes} B {c.recv.dtype.name}"
-            path = f"{info.method}/{info.wire}" if info.wire else info.method
-            op = "" if c.what == "Allgather" else f" {c.name.upper()}"
-            sys.stderr.write(f"equarx_mpi: {c.what} {what}{op} -> "
-                             f"{path} ({info.reason}), {info.seconds * 1e3:.3f} ms, "
-                             f"{info.bytes_sent} B sent\n")
-        return info
-
-    def _quantized(self, c, e_own):
-        """Run a quantized call; returns (the values reduced exactly after
-        it, the error bound, a bound.Record for block_bounds)."""
+    def _schedule(self, c, e_own):
+        """The ring or two-shot: the engine, with the call's budget."""
         e = self._engine
+        e.budget = c.budget
         if c.what == "Allgather":
-            return e.allgather(c.send, c.recv) + (e.record,)
-        if c.what == "Reduce_scatter_block":
-            return e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op) + (e.record,)
-        if c.method != "hierarchical":
-            return e.allreduce(c.method, c.send, c.recv, c.name, c.op, e_own,
-                               c.feedback) + (e.record,)
+            got = e.allgather(c.send, c.recv)
+        elif c.what == "Reduce_scatter_block":
+            got = e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op)
+        else:
+            got = e.allreduce(c.method, c.send, c.recv, c.name, c.op, e_own, c.feedback)
+        return got + (e.record,)
+
+    def _hierarchical(self, c, e_own):
+        self._engine.budget = c.budget
         hier, between = self._hierarchy()
         B = self.block_size
 
@@ -410,6 +363,19 @@ class QuantizedComm:
         rec = bound.Record(c.recv.size, B, [(lo, hi, np.full(-(-(hi - lo) // B), b))
                                             for lo, hi, b in slices if hi > lo])
         return fixed, err, rec
+
+    def _timed(self, c, fn):
+        """fn(): MPI's own call for c, made by a wrapped communicator with
+        the caller's arguments (or a nonblocking one started); recorded like
+        any call, after the calls queued before it, so that last_call is the
+        last call made once they finish."""
+        t0 = time.perf_counter()
+        result = fn()
+        info = CallInfo(c.what, "mpi", None, c.reason, 0,
+                        uncompressed_bytes(c.what, c.nbytes, self._size),
+                        time.perf_counter() - t0, math.inf if c.bound is None else c.bound)
+        self._exec.note(lambda i: self._record(c, i), info)
+        return result
 
     def _window(self):
         """The shared window of the exact one-node method (made on first use)."""
@@ -426,3 +392,9 @@ class QuantizedComm:
             self._hier = Hierarchy(self._comm)
             self._between = Engine(self._hier.inter, self.options, False, self._compile_first)
         return self._hier, self._between
+
+
+#: method -> its runner
+_RUN = {"copy": QuantizedComm._copy, "mpi": QuantizedComm._mpi, "shm": QuantizedComm._shm,
+        "ring": QuantizedComm._schedule, "two_shot": QuantizedComm._schedule,
+        "hierarchical": QuantizedComm._hierarchical}

@@ -101,3 +101,12 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+else:
+    # ``equarx_mpi.warmup`` names both this module (python -m) and its
+    # function; importing the module sets the package's attribute to the
+    # module, so the module calls the function too.
+    class _CallableModule(type(sys)):
+        def __call__(self, *args, **kwargs):
+            return warmup(*args, **kwargs)
+
+    sys.modules[__name__].__class__ = _CallableModule

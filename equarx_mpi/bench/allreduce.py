@@ -1,71 +1,34 @@
-"""Benchmarks.  Run under mpirun; only rank 0 prints and writes files.
+"""``python -m equarx_mpi.bench [allreduce]``: every AllReduce method on
+the same data, under mpirun; only rank 0 prints and writes files.
 
-    mpirun -n 8 python -m equarx_mpi.bench                 # allreduce sweep
+    mpirun -n 8 python -m equarx_mpi.bench                 # 4K .. 64M, the default methods
     mpirun -n 8 python -m equarx_mpi.bench -b 1M -e 64M --data offset --json out.json
-    python -m equarx_mpi.bench kernels                     # kernel GB/s vs C
+    mpirun -n 2 python -m equarx_mpi.bench -m mpi,int8-raw --overlap   # bench/overlap.py
 
 allreduce (the default command): every method runs on the same data in the
 same run, interleaved call by call so machine noise hits them alike.  Per
 rank the median time of the timed calls is kept; the columns give its
 average, min and max over ranks.  Bandwidths use the *uncompressed* bytes,
-like nccl-tests.  Errors are measured against an exact float64 sum of the
-inputs.  The output header explains every column.
+like nccl-tests.  Errors are measured against a float64 sum of the inputs.
+The output header explains every column.
 """
 import argparse
 import json
 import os
 import sys
+import textwrap
 import time
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi.bench.report import COLUMNS, LEGEND, footer, format_row, human
+from equarx_mpi.bench.common import arg_type, human, mpi_library, parse_size, sizes
+from equarx_mpi.bench.methods import DEFAULT_METHODS, METHODS, PIECES, parse_methods
+from equarx_mpi.bench.report import COLUMNS, LEGEND, footer, format_row
 from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.names import BFLOAT16
 
-#: name -> (description, QuantizedComm options or None for mpi4py's exact
-#: comm.Allreduce).  A QuantizedComm is built only for the methods a run
-#: asks for, so a line may name options this version does not have yet.
-METHODS = {
-    "mpi": ("mpi4py comm.Allreduce (exact)", None),
-    "mpi-lib": ("algorithm='mpi': MPI's Allreduce through the library (its checks and "
-                "error bound)", dict(algorithm="mpi")),
-    "bf16": ("pipelined ring, bfloat16 on the wire",
-             dict(wire="bf16", algorithm="ring", min_quantized_bytes=0)),
-    "fp32": ("pipelined ring, float32 on the wire",
-             dict(wire="fp32", algorithm="ring", min_quantized_bytes=0)),
-    "int8": ("EQuARX int8 ring, exact MPI below the cost model's crossover",
-             dict(wire="int8", algorithm="ring")),
-    "int8-c1": ("EQuARX int8 ring, chunks=1 (no pipelining), every size",
-                dict(wire="int8", algorithm="ring", chunks=1, min_quantized_bytes=0)),
-    "int8-raw": ("EQuARX int8 ring at every size (never exact MPI)",
-                 dict(wire="int8", algorithm="ring", min_quantized_bytes=0)),
-    "int8-2shot": ("EQuARX int8 two-shot (owner reduces at full precision) at every size",
-                   dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0)),
-    "int8-hier": ("EQuARX int8 hierarchical (exact in each node, two-shot between nodes) "
-                  "at every size", dict(wire="int8", algorithm="hierarchical",
-                                        min_quantized_bytes=0)),
-    "shm": ("exact AllReduce through a shared window (one node; else MPI's)",
-            dict(algorithm="shm")),
-    "int8-nocheck": ("EQuARX int8 ring as 'int8', without the per-call argument agreement",
-                     dict(wire="int8", algorithm="ring", check=False)),
-    "int4": ("int4 ring (block 64, its default) at every size",
-             dict(wire="int4", algorithm="ring", block_size=64, min_quantized_bytes=0)),
-    "fp8": ("fp8 (e4m3) ring at every size",
-            dict(wire="fp8", algorithm="ring", min_quantized_bytes=0)),
-    "int8-aff": ("int8-affine ring (levels between block min and max) at every size",
-                 dict(wire="int8-affine", algorithm="ring", min_quantized_bytes=0)),
-    "int4-aff": ("int4-affine ring (block 128, its default) at every size",
-                 dict(wire="int4-affine", algorithm="ring", block_size=128,
-                      min_quantized_bytes=0)),
-    "auto": ("algorithm='auto' (the library default): the cost model's pick per call",
-             dict(algorithm="auto")),
-    "auto-exact": ("algorithm='auto', accuracy='exact': the faster of MPI and shm",
-                   dict(algorithm="auto", accuracy="exact")),
-}
-DEFAULT_METHODS = "mpi,bf16,fp32,int8,int8-c1"
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
           "bfloat16": BFLOAT16}
 
@@ -93,47 +56,34 @@ DATA = {
                _smooth),
 }
 
-def parse_size(text):
-    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().rstrip("B")
-    unit = t[-1] if t and t[-1] in "KMG" else ""
-    try:
-        return int(float(t[:len(t) - len(unit)]) * units[unit])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4K, 16M, 1G)")
+def _entries(table, width):
+    """``name  words`` lines of a --help table, the words wrapped under themselves."""
+    out = []
+    for name, words in table:
+        out.append(textwrap.fill(" ".join(words.split()), 100,
+                                 initial_indent=f"  {name:{width - 2}s}",
+                                 subsequent_indent=" " * width))
+    return "\n".join(out) + "\n"
 
 
-def sizes(begin, end, factor):
-    """begin, begin*factor, ... up to end (begin >= 1, factor >= 2)."""
-    out, s = [], begin
-    while s <= end:
-        out.append(s)
-        s *= factor
-    return out
-
-
-def mpi_library():
-    """First line of MPI's library version, without the C string's NUL."""
-    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
-
-
-def build_parser():
+def build_parser(commands=""):
+    """The allreduce command's options; ``commands``: the list of all the
+    bench's commands, shown in --help (python -m equarx_mpi.bench passes it)."""
+    size = arg_type(parse_size)
     p = argparse.ArgumentParser(
         prog="python -m equarx_mpi.bench",
         usage="mpirun -n P python -m equarx_mpi.bench [allreduce] [options]\n"
-              "       python -m equarx_mpi.bench kernels [options]",
+              "       python -m equarx_mpi.bench COMMAND [options]",
         description=__doc__.split("\n\n")[2],
-        epilog="commands:\n"
-               "  allreduce  quantized AllReduce against MPI and uncompressed rings\n"
-               "             (the default; its options are above)\n"
-               "  kernels    numba kernels against the C reference, one process\n"
-               "             (python -m equarx_mpi.bench kernels -h)\n\nmethods:\n"
-               + "".join(f"  {m:13s}{d}\n" for m, (d, _) in METHODS.items())
-               + "\ndata:\n" + "".join(f"  {k:9s}{d}\n" for k, (d, _) in DATA.items()),
+        epilog=(commands + "\n\n" if commands else "")
+        + "methods (-m):\n" + _entries(((m, d.about) for m, d in METHODS.items()), 15)
+        + textwrap.fill(PIECES, 100, initial_indent="  ", subsequent_indent="  ")
+        + "\n\ndata (--data):\n" + _entries(((k, d) for k, (d, _) in DATA.items()), 11)
+        + "\nsizes (-b, -e): bytes per rank, K/M/G = 1024, 1024**2, 1024**3 (4K, 1.5M, 64KiB)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-b", "--minbytes", type=parse_size, metavar="SIZE", default=parse_size("4K"),
+    p.add_argument("-b", "--minbytes", type=size, metavar="SIZE", default=parse_size("4K"),
                    help="smallest message per rank (default 4K)")
-    p.add_argument("-e", "--maxbytes", type=parse_size, metavar="SIZE", default=parse_size("64M"),
+    p.add_argument("-e", "--maxbytes", type=size, metavar="SIZE", default=parse_size("64M"),
                    help="largest message per rank (default 64M)")
     p.add_argument("-f", "--stepfactor", type=int, default=4, metavar="F",
                    help="size multiplier, at least 2 (default 4)")
@@ -149,22 +99,24 @@ def build_parser():
     p.add_argument("-m", "--methods", default=DEFAULT_METHODS, metavar="M,M,...",
                    help=f"comma-separated, from the list below (default {DEFAULT_METHODS})")
     p.add_argument("--block", type=int, default=256, metavar="B",
-                   help="values per int8 block (default 256)")
+                   help="values per block of the library's methods (default 256); int4 and "
+                   "int4-aff keep their own (64, 128)")
     p.add_argument("--json", metavar="FILE", help="write all rows as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="times, speedup and error against size "
                    "(needs matplotlib: pip install equarx_mpi[plot])")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--overlap", action="store_true",
-                   help="time a nonblocking AllReduce against a compute loop of about its "
-                   "length, alone and together (benchoverlap.py)")
+                   help="instead of the table: a nonblocking AllReduce against a compute "
+                   "loop of about its length, alone and together (equarx_mpi/bench/overlap.py)")
     return p
 
 
-def _arg_error(args, methods):
+def _arg_error(args):
     """Why these arguments cannot run (the same answer on every rank), or None."""
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods:
-        return f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}"
+    try:
+        parse_methods(args.methods)
+    except ValueError as e:
+        return str(e)
     if args.minbytes < 1 or args.maxbytes < args.minbytes:
         return (f"sizes: need 1 <= --minbytes <= --maxbytes, got -b {args.minbytes} "
                 f"-e {args.maxbytes}")
@@ -202,7 +154,7 @@ def _make_comms(comm, methods, block):
     """name -> QuantizedComm for the requested library methods.  Collective."""
     qcs = {}
     for m in methods:
-        opts = METHODS[m][1]
+        opts = METHODS[m].options
         if opts is None:
             continue
         try:
@@ -226,9 +178,9 @@ def _path(qc):
 
 def run_allreduce(args, comm=MPI.COMM_WORLD):
     P, rank = comm.Get_size(), comm.Get_rank()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    err = _arg_error(args, methods)
+    err = _arg_error(args)
     _agree(comm, err or (_rank0_error(args) if rank == 0 else None))
+    methods = parse_methods(args.methods)
     dtype = np.dtype(DTYPES[args.dtype])
     qcs = _make_comms(comm, methods, args.block)
     # Flushed line by line, so progress on stderr never lands inside the table.
@@ -241,7 +193,7 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
         say("# 1 rank: every method returns its input; run under mpirun -n P (P >= 2)")
     say("# methods:")
     for m in methods:
-        say(f"#   {m:12s} {METHODS[m][0]}")
+        say(f"#   {m:12s} {METHODS[m].about}")
     rows = []
     todo = sorted({max(1, b // dtype.itemsize)
                    for b in sizes(args.minbytes, args.maxbytes, args.stepfactor)})
@@ -332,24 +284,12 @@ def _write_files(args, rows, methods, P, dtype):
                        "argv": sys.argv[1:], "rows": rows}, f, indent=1)
     if args.plot:
         from equarx_mpi.bench import plot as benchplot
-        benchplot.plot(rows, methods, [m for m in methods if METHODS[m][1] is not None],
+        benchplot.plot(rows, methods, [m for m in methods if METHODS[m].options is not None],
                        args.plot,
                        f"AllReduce, {P} ranks, {dtype.name}, data {args.data}")
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "kernels":
-        from equarx_mpi.bench import kernels as kernelbench
-        return kernelbench.main(argv[1:])
-    if argv and argv[0] == "allreduce":
-        argv = argv[1:]
-    elif argv and not argv[0].startswith("-"):
-        raise SystemExit(f"equarx_mpi.bench: unknown command {argv[0]!r}; "
-                         f"choose from allreduce, kernels (or see --help)")
-    run_allreduce(build_parser().parse_args(argv))
+def main(argv=None, commands=""):
+    """``python -m equarx_mpi.bench [allreduce] ARGS`` (bench/__main__.py)."""
+    run_allreduce(build_parser(commands).parse_args(argv))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -99,7 +99,7 @@ def one(comm, start, count, dtype, compute, args):
 
 
 def run(args, comm, qcs, methods, dtype, todo, say, path_of):
-    """The --overlap sweep (bench.run_allreduce hands over its parsed
+    """The --overlap sweep (allreduce.run_allreduce hands over its parsed
     arguments, communicators and sizes); returns the rows on rank 0."""
     P, rank = comm.Get_size(), comm.Get_rank()
     say(f"# overlap: nonblocking AllReduce against a compute loop ({P} ranks); "

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from equarx_mpi.bench.report import human
+from equarx_mpi.bench.common import human
 
 INSTALL = "--plot needs matplotlib: pip install equarx_mpi[plot]"
 

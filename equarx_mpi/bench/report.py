@@ -3,12 +3,7 @@ legend, one row per size and method, and the summary lines after the table
 (among them auto against the fastest single method at each size)."""
 import numpy as np
 
-
-def human(nbytes):
-    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= k:
-            return f"{nbytes / k:g} {unit}"
-    return f"{nbytes} B"
+from equarx_mpi.bench.common import human
 
 
 LEGEND = """\

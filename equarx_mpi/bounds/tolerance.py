@@ -8,7 +8,7 @@ largest magnitude of any finite input value on any rank of that call (M
 bounds each input; the result's values are at most P*M).  M rides on the
 per-call argument agreement (one tiny MAX Allreduce that runs anyway).
 
-The quantized path is two-shot with the "mixed" wire (formats_mixed.py):
+The quantized path is two-shot with the "mixed" wire (wire/mixed.py):
 each sender quantizes every block in the fewest bits whose bound is at
 most ``send``, the owner reduces at full precision and quantizes every
 block of the sum in the fewest bits that keep the certified bound of the
@@ -28,10 +28,8 @@ import math
 from typing import NamedTuple
 
 import numpy as np
-from mpi4py import MPI
 
 from equarx_mpi.bounds import bound
-from equarx_mpi.collectives import exact
 from equarx_mpi.kernels.mixed import SAFE
 
 #: the tolerance is used shrunk by this: the float64 rounding of the sums
@@ -155,24 +153,3 @@ def budget(opts, what, dtype, P, M):
 NOT_PERSISTENT = ("equarx_mpi: the error-bounded mode (abs_tol/rel_tol) sizes each call's "
                   "budget from its inputs when the call is made: no persistent requests "
                   "(Allreduce_init) and no error feedback; use Allreduce or Iallreduce")
-
-
-def settle(opts, c, P, M, comm):
-    """The error-bounded mode's part of preparing c, a float SUM on P > 1
-    ranks whose inputs' largest finite magnitude over all ranks is M (None:
-    not agreed, check=False; one 8-byte MAX Allreduce on ``comm`` finds it).
-    Sets c.budget for a quantized call; all-zero inputs go exact, bound 0
-    (a sum of zeros is exact on any path); ValueError (the same on every
-    rank: M is) when the tolerance cannot be met.  Returns M."""
-    if M is None:
-        m = np.array([bound.to_bits(exact.largest((c.recv if c.send is None
-                                                   else c.send).reshape(-1)))], np.int64)
-        comm.Allreduce(MPI.IN_PLACE, m, MPI.MAX)
-        M = bound.from_bits(m[0])
-    if M == 0:
-        c.method, c.reason, c.bound = "mpi", "error-bounded: every finite input is zero", 0.0
-        return M
-    b = budget(opts, c.what, c.recv.dtype, P, M)
-    if c.quantize:
-        c.budget = b
-    return M

@@ -73,6 +73,7 @@ import warnings
 
 import numpy as np
 
+from equarx_mpi.names import MANY_INPUT_WIRES, STOCHASTIC_WIRES
 from equarx_mpi.wire import formats
 
 ALGORITHMS = ("auto", "ring", "two_shot", "hierarchical", "shm", "mpi")
@@ -238,9 +239,9 @@ def check(o):
     if o["algorithm"] not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
     _check_tolerance(o)
-    if o["algorithm"] == "two_shot" and o["wire"] not in formats.MANY_INPUT_WIRES + (
+    if o["algorithm"] == "two_shot" and o["wire"] not in MANY_INPUT_WIRES + (
             formats.MODE_WIRE,):
-        raise ValueError(f"algorithm='two_shot' takes the wires {formats.MANY_INPUT_WIRES}, "
+        raise ValueError(f"algorithm='two_shot' takes the wires {MANY_INPUT_WIRES}, "
                          f"not {o['wire']!r}")
     a = o["accuracy"]
     if not (a is None or a == "exact" or (isinstance(a, (int, float, np.floating))
@@ -261,8 +262,8 @@ def check(o):
             raise ValueError(f"{name} must be True or False, not {o[name]!r}")
     if o["rounding"] not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, not {o['rounding']!r}")
-    if o["rounding"] == "stochastic" and o["wire"] not in formats.STOCHASTIC_WIRES:
-        raise ValueError(f"rounding='stochastic' takes the wires {formats.STOCHASTIC_WIRES}, "
+    if o["rounding"] == "stochastic" and o["wire"] not in STOCHASTIC_WIRES:
+        raise ValueError(f"rounding='stochastic' takes the wires {STOCHASTIC_WIRES}, "
                          f"not {o['wire']!r}")
     if not _is_int(o["seed"]) or not 0 <= o["seed"] < 2 ** 64:
         raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, not {o['seed']!r}")
