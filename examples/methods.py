@@ -5,26 +5,38 @@ Each name maps to QuantizedComm options, or None for mpi4py's exact
 its own equarx_mpi.ErrorFeedback (the residual of one call joins the next
 on the same shape: for gradients).  ``Reducers(comm, names)`` holds, per
 name, a function ``reduce(buf)`` that sums ``buf`` over the ranks in place.
-New library methods (algorithms, wire formats) are one line here.
+
+The options come from the benchmark's table (equarx_mpi/bench/methods.py,
+the one home of the method names: ``python -m equarx_mpi.bench --help``
+describes each); BENCH_NAME says which of its methods each example name
+runs.  They are the same names but one: the examples' "int8" is the
+bench's "int8-raw", the int8 ring at every size.  The bench's "int8" is
+what algorithm="ring" does by default, exact MPI below 4 MiB per rank on
+one node, and would leave the examples' small messages exact.  New library
+methods (algorithms, wire formats) are one line in the bench's table and
+one here.
 """
 import os
 
 from mpi4py import MPI
 
 from equarx_mpi import ErrorFeedback, QuantizedComm
+from equarx_mpi.bench.methods import METHODS as BENCH
 
-#: a schedule by name at every size (the library's default, "auto", picks per call)
-RING = dict(algorithm="ring", min_quantized_bytes=0)
-METHODS = {
-    "mpi": None,                                         # exact, what MPI codes use today
-    "bf16": dict(RING, wire="bf16"),                     # uncompressed 16-bit ring
-    "int8": dict(RING, wire="int8"),                     # EQuARX int8 ring, every size
-    "int8-2shot": dict(wire="int8", algorithm="two_shot", min_quantized_bytes=0),
-    "fp8": dict(RING, wire="fp8"),                       # e4m3 codes, ring
-    "int4": dict(RING, wire="int4"),                     # half int8's bytes, ring
-    "int4+ef": dict(RING, wire="int4", feedback=True),   # + error feedback
-    "fp8+ef": dict(RING, wire="fp8", feedback=True),
+#: example name -> (the bench's method it runs, with error feedback)
+BENCH_NAME = {
+    "mpi": ("mpi", False),                   # exact, what MPI codes use today
+    "bf16": ("bf16", False),                 # uncompressed 16-bit ring
+    "int8": ("int8-raw", False),             # EQuARX int8 ring, every size
+    "int8-2shot": ("int8-2shot", False),
+    "fp8": ("fp8", False),                   # e4m3 codes, ring
+    "int4": ("int4", False),                 # half int8's bytes, ring
+    "int4+ef": ("int4", True),               # + error feedback
+    "fp8+ef": ("fp8", True),
 }
+METHODS = {name: None if BENCH[bench].options is None else
+           dict(BENCH[bench].options, **({"feedback": True} if feedback else {}))
+           for name, (bench, feedback) in BENCH_NAME.items()}
 #: the methods without state between calls: the default where one buffer
 #: shape holds different quantities from call to call (activations of each
 #: layer, an ensemble's sum and sum of squares), which error feedback would

@@ -9,8 +9,12 @@ also reduces a Python float (the loss) and an integer array (a count of
 non-finite values).
 It runs twice, on ``MPI.COMM_WORLD`` (before) and on
 ``equarx_mpi.wrap(MPI.COMM_WORLD)`` (after): only the large float SUM
-travels quantized (at least 4 MiB on one node, 256 KiB across nodes: the
-default crossover); the loss and the count are mpi4py's and MPI's own, exact.
+travels quantized, from the size where algorithm="auto" (the default)
+predicts a quantized method at least 5% faster than MPI: with the built-in
+profile 96 KiB of float32 at 2 ranks, 1 MiB at 4, 5 MiB at 8 on one node
+(docs/PORTING.md), so the default --size 1M (4 MiB per rank) is quantized at
+2 and 4 ranks; the loss and the count are mpi4py's and MPI's own, exact.
+The last line says how many calls were quantized.
 
 The problem: minimize sum over ranks r of 0.5 * ||a_r * w - b_r||^2 (element
 by element, n unknowns); the answer is w* = sum a_r b_r / sum a_r^2.

@@ -1,6 +1,8 @@
-"""The benchmark CLI: runs at 2 ranks with tiny sizes (serial pytest; each
-test starts its own mpirun under a time limit, so a hang fails), its error
-paths (every rank must exit, none may wait), and its helpers.
+"""The benchmark's allreduce command (python -m equarx_mpi.bench
+[allreduce]): runs at 2 ranks with tiny sizes (serial pytest; each test
+starts its own mpirun under a time limit, so a hang fails), its error paths
+(every rank must exit, none may wait), and its helpers.  The other
+commands, the registry and the shared helpers: tests/test_tools.py.
 
     pytest -q tests/test_bench.py
 """
@@ -17,6 +19,8 @@ from mpi4py import MPI
 
 from equarx_mpi.bench import allreduce as bench
 from equarx_mpi.bench import plot as benchplot
+from equarx_mpi.bench.common import mpi_library
+from equarx_mpi.bench.methods import METHODS, Method
 
 MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
@@ -56,7 +60,7 @@ def table(stdout):
 
 def test_bench_two_ranks_tiny_sizes(tmp_path):
     out = tmp_path / "bench.json"
-    rc, stdout, stderr = bench_run(TINY + ["-m", ",".join(bench.METHODS), "--json", str(out)],
+    rc, stdout, stderr = bench_run(TINY + ["-m", ",".join(METHODS), "--json", str(out)],
                                    timeout=300)
     assert rc == 0, stdout + stderr
     raw = out.read_text()
@@ -72,9 +76,9 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
     # progress went to stderr only, as # lines
     assert "# [1/3] 4 KiB" in stderr and "[1/3]" not in stdout
     doc = json.loads(raw)
-    assert doc["mpi"] == bench.mpi_library() and doc["data"] == "normal"
+    assert doc["mpi"] == mpi_library() and doc["data"] == "normal"
     rows = doc["rows"]
-    assert len(rows) == 3 * len(bench.METHODS) == len(table(stdout))
+    assert len(rows) == 3 * len(METHODS) == len(table(stdout))
     for r in rows:
         assert r["wrong"] == 0, r
         assert r["rel_err"] >= 0 and r["max_err"] >= 0
@@ -102,8 +106,9 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
 
 
 def test_offset_data_shows_the_error_against_the_signal():
-    rc, stdout, stderr = bench_run(TINY + ["-m", "mpi,int8,int8-raw", "--data", "offset", "-q"],
-                                   timeout=300)
+    # the command named: the same as without it
+    rc, stdout, stderr = bench_run(["allreduce"] + TINY + ["-m", "mpi,int8,int8-raw", "--data",
+                                                           "offset", "-q"], timeout=300)
     assert rc == 0, stdout + stderr
     assert stderr.count("# [") == 0             # -q: no progress
     cols = [name for name, _ in bench.COLUMNS]
@@ -152,23 +157,20 @@ def test_help_shows_commands_and_allreduce_options():
     p = subprocess.run([sys.executable, "-m", "equarx_mpi.bench", "--help"], env=ENV,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
-    for word in ("allreduce", "kernels", "--minbytes", "--data", "--methods", "--plot",
-                 "int8-raw", "offset"):
+    for word in ("allreduce", "shm", "tolerance", "kernels", "--minbytes", "--data",
+                 "--methods", "--plot", "int8-raw", "offset"):
         assert word in p.stdout, word
+    # every method is listed with its words
+    for name, method in METHODS.items():
+        assert f"  {name} " in p.stdout and " ".join(method.about.split()[:3]) in \
+            " ".join(p.stdout.split()), name
     p = subprocess.run([sys.executable, "-m", "equarx_mpi.bench", "allreduc"], env=ENV,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and "unknown command 'allreduc'" in p.stderr
 
 
-def test_size_parsing():
-    assert bench.parse_size("4K") == 4096 and bench.parse_size("1.5M") == 3 << 19
-    assert bench.sizes(4, 64, 4) == [4, 16, 64]
-    with pytest.raises(Exception):
-        bench.parse_size("lots")
-
-
 def test_mpi_library_has_no_nul():
-    name = bench.mpi_library()
+    name = mpi_library()
     assert name and "\x00" not in name and name == name.strip()
 
 
@@ -192,8 +194,8 @@ def test_path_column():
 
 
 def test_methods_are_built_only_when_asked(monkeypatch):
-    monkeypatch.setitem(bench.METHODS, "future",
-                        ("an option this QuantizedComm lacks", dict(wire="int3")))
+    monkeypatch.setitem(METHODS, "future", Method("an option this QuantizedComm lacks",
+                                                  dict(wire="int3")))
     assert bench._make_comms(MPI.COMM_SELF, ["mpi"], 256) == {}
     with pytest.raises(SystemExit, match="method 'future'.*wire"):
         bench._make_comms(MPI.COMM_SELF, ["mpi", "future"], 256)

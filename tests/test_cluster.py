@@ -15,36 +15,18 @@ import pytest
 from equarx_mpi import cluster as C
 
 # --- parsing ---------------------------------------------------------------
+# Sizes and rates are parsed by equarx_mpi.bench.common (tests/test_tools.py);
+# here: that the runner's options go through them, with their messages.
 
-@pytest.mark.parametrize("text, bits", [
-    ("1gbit", 10**9), ("100mbit", 10**8), ("2.5Gbit", 25 * 10**8),
-    ("500kbit", 5 * 10**5), ("125mbps", 10**9), ("10000bit", 10**4)])
-def test_parse_rate(text, bits):
-    assert C.parse_rate(text) == bits
-
-
-@pytest.mark.parametrize("text", ["none", "None", "off"])
-def test_parse_rate_none(text):
-    assert C.parse_rate(text) is None
-
-
-@pytest.mark.parametrize("text", ["1g", "fast", "1 gbit", "-1gbit", "1gib", "100bit", ""])
-def test_parse_rate_rejects(text):
-    with pytest.raises(ValueError, match="rate"):
-        C.parse_rate(text)
-
-
-@pytest.mark.parametrize("text, nbytes", [
-    ("1mb", 1 << 20), ("512kb", 512 << 10), ("65536", 65536), ("64k", 64 << 10),
-    ("2m", 2 << 20), ("100b", 100)])
-def test_parse_size(text, nbytes):
-    assert C.parse_size(text) == nbytes
-
-
-@pytest.mark.parametrize("text", ["1mbit", "1.5mb", "big", "-1"])
-def test_parse_size_rejects(text):
-    with pytest.raises(ValueError, match="size"):
-        C.parse_size(text)
+def test_options_use_the_shared_parsers(capsys):
+    ns = C.parse_args(["run", "--burst", "1.5mb", "--rate", "125mbps", "--latency", "5ms"])
+    assert (ns.cluster.burst, ns.cluster.rate, ns.cluster.latency) == (3 << 19, 10**9, "5ms")
+    for opt, bad, message in (("--burst", "1mbit", "bad size '1mbit'"),
+                              ("--rate", "1g", "bad rate '1g'"),
+                              ("--latency", "20", "bad latency '20'")):
+        with pytest.raises(SystemExit):
+            C.parse_args(["run", opt, bad])
+        assert message in capsys.readouterr().err, opt
 
 
 def test_parse_latency():
@@ -67,6 +49,9 @@ def test_parse_args_bench():
     c = ns.cluster
     assert (c.hosts, c.ranks_per_host, c.size, c.rate) == (3, 2, 6, 10**8)
     assert (c.burst, c.latency) == (1 << 20, "20ms")
+    # a bench command goes through as it is
+    ns = C.parse_args(["run", "--", "shm", "-e", "64M"])
+    assert ns.command == [sys.executable, "-m", "equarx_mpi.bench", "shm", "-e", "64M"]
 
 
 def test_parse_args_defaults_and_no_args():

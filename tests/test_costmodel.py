@@ -339,7 +339,7 @@ def test_tune_quick_at_two_ranks(tmp_path):
     assert all(t > 0 for ts in lay["times"].values() for t in ts)
     assert prof["machine"]["ranks"] == 2
     env[profiles.ENV] = str(out)
-    got = subprocess.run([sys.executable, "-c", "from equarx_mpi import profiles; "
+    got = subprocess.run([sys.executable, "-c", "from equarx_mpi.model import profiles; "
                           "print(profiles.find_profile()[1])"], env=env, text=True,
                          capture_output=True, timeout=120)
     assert got.stdout.strip() == str(out), got.stderr

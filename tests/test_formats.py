@@ -14,7 +14,7 @@ from test_kernels import cases as int8_cases
 from test_kernels import finfo
 
 from equarx_mpi import kernels as K
-from equarx_mpi.bench.kernels import Native
+from equarx_mpi.bench.native import Native
 from equarx_mpi.call import options
 from equarx_mpi.names import kernel_view as _kernel_view
 from equarx_mpi.wire import formats

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from equarx_mpi import kernels as K
-from equarx_mpi.bench.kernels import ISAS, Native
+from equarx_mpi.bench.native import ISAS, Native
 
 F32 = np.finfo(np.float32)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -60,7 +60,7 @@ def _entries(table, width):
     """``name  words`` lines of a --help table, the words wrapped under themselves."""
     out = []
     for name, words in table:
-        out.append(textwrap.fill(" ".join(words.split()), 100,
+        out.append(textwrap.fill(" ".join(words.split()), 90,
                                  initial_indent=f"  {name:{width - 2}s}",
                                  subsequent_indent=" " * width))
     return "\n".join(out) + "\n"
@@ -77,7 +77,7 @@ def build_parser(commands=""):
         description=__doc__.split("\n\n")[2],
         epilog=(commands + "\n\n" if commands else "")
         + "methods (-m):\n" + _entries(((m, d.about) for m, d in METHODS.items()), 15)
-        + textwrap.fill(PIECES, 100, initial_indent="  ", subsequent_indent="  ")
+        + textwrap.fill(PIECES, 90, initial_indent="  ", subsequent_indent="  ")
         + "\n\ndata (--data):\n" + _entries(((k, d) for k, (d, _) in DATA.items()), 11)
         + "\nsizes (-b, -e): bytes per rank, K/M/G = 1024, 1024**2, 1024**3 (4K, 1.5M, 64KiB)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,8 +138,8 @@ def _rank0_error(args):
         if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             return f"{opt} {path}: cannot write into {folder}"
     if args.plot:
-        from equarx_mpi.bench import plot as benchplot
-        return benchplot.missing()
+        from equarx_mpi.bench import plot
+        return plot.missing()
     return None
 
 
@@ -198,8 +198,8 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
     todo = sorted({max(1, b // dtype.itemsize)
                    for b in sizes(args.minbytes, args.maxbytes, args.stepfactor)})
     if args.overlap:
-        from equarx_mpi.bench import overlap as benchoverlap
-        rows = benchoverlap.run(args, comm, qcs, methods, dtype, todo, say, _path)
+        from equarx_mpi.bench import overlap
+        rows = overlap.run(args, comm, qcs, methods, dtype, todo, say, _path)
         for qc in qcs.values():
             qc.free()
         if rank == 0 and args.json:
@@ -283,10 +283,9 @@ def _write_files(args, rows, methods, P, dtype):
                        "block": args.block, "mpi": mpi_library(),
                        "argv": sys.argv[1:], "rows": rows}, f, indent=1)
     if args.plot:
-        from equarx_mpi.bench import plot as benchplot
-        benchplot.plot(rows, methods, [m for m in methods if METHODS[m].options is not None],
-                       args.plot,
-                       f"AllReduce, {P} ranks, {dtype.name}, data {args.data}")
+        from equarx_mpi.bench import plot
+        plot.plot(rows, methods, [m for m in methods if METHODS[m].options is not None],
+                  args.plot, f"AllReduce, {P} ranks, {dtype.name}, data {args.data}")
 
 
 def main(argv=None, commands=""):

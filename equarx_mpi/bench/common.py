@@ -3,8 +3,10 @@ tune``, ``... cluster``): the one home of size, rate and latency parsing,
 of human sizes and of the size sweep.
 
 A leaf: it imports no module of the package and not mpi4py (only
-``mpi_library`` does, when called), so ``tune predict`` and the cluster
-launcher never initialize MPI.
+``mpi_library`` does, when called; ``run_command``, the command registry
+of ``python -m equarx_mpi.bench`` and ``... tune``, imports the module of
+the command it runs), so ``tune predict`` and the cluster launcher never
+initialize MPI.
 
 Units:
   sizes      bytes, binary: an integer or decimal number, then optionally
@@ -18,7 +20,9 @@ Units:
   latencies  us, ms or s after a number: 20us, 1.5ms, 1s.
 """
 import argparse
+import importlib
 import re
+import sys
 
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([kmg]?)(i?b)?")
 _SIZE_UNIT = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
@@ -115,3 +119,28 @@ def mpi_library():
     Imports (and so initializes) MPI: for tools that run under mpirun."""
     from mpi4py import MPI
     return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+
+
+def run_command(prog, commands, default, argv=None):
+    """``python -m PACKAGE [COMMAND] ARGS``, as ``python -m mpi4py.bench``:
+    ``commands`` maps a name to (module, function, one line for --help).
+    Without a name (no arguments, or an option first) ARGS go to
+    ``default``, whose function also gets ``commands=``, the list of all of
+    them for its --help.  A module is imported only when its command runs."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = default
+    if argv and argv[0] in commands:
+        name, argv = argv[0], argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        raise SystemExit(f"{prog}: unknown command {argv[0]!r}; choose from "
+                         f"{', '.join(commands)} (or see --help)")
+    module, function, _ = commands[name]
+    run = getattr(importlib.import_module(module), function)
+    if name != default:
+        return run(argv)
+    lines = [f"commands ({prog} COMMAND --help shows each one's options):"]
+    width = max(map(len, commands)) + 2
+    for cmd, (*_, about) in commands.items():
+        first, *rest = about.split("\n")
+        lines += [f"  {cmd:{width}s}{first}"] + [" " * (width + 2) + line for line in rest]
+    return run(argv, commands="\n".join(lines))

@@ -1,7 +1,8 @@
-"""Throughput of the int8 kernels: numba against the C reference in native/.
+"""``python -m equarx_mpi.bench kernels``: throughput of the int8 kernels,
+numba against the C reference in native/ (bench/native.py loads it).
 
-    python -m equarx_mpi.kernelbench [-n COUNT ...] [--block B] [--repeat R]
-                                     [--isa native|avx2]
+    python -m equarx_mpi.bench kernels [-n COUNT ...] [--block B] [--repeat R]
+                                       [--clock cpu|wall] [--isa native|avx2]
 
 One process, one core, float32 input, SUM.  Bandwidths are GB/s of float32
 input (4 bytes per value), the median of ``repeat`` timings; each timing
@@ -26,7 +27,9 @@ from equarx_mpi import kernels as K
 from equarx_mpi.bench.native import ISAS, NATIVE_DIR, Native  # noqa: F401 (Native: tests/test_formats.py)
 from equarx_mpi.model.profiles import cpu_model
 
+PROG = "python -m equarx_mpi.bench kernels"
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+
 
 def _rates(fns, nbytes, repeat, clock=time.thread_time, min_time=1e-3):
     """GB/s of each of fns in each of ``repeat`` turns (one list per
@@ -102,13 +105,14 @@ def _numba_target():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(prog="python -m equarx_mpi.kernelbench",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", "--count", type=int, nargs="+", default=[1 << 16, 1 << 22],
-                    help="values per kernel call (default: 64Ki, cache resident, "
-                         "and 4Mi)")
-    ap.add_argument("--block", type=int, default=256, help="values per scale")
-    ap.add_argument("--repeat", type=int, default=15, help="timings per median")
+                    help="values per kernel call (default: 65536, cache resident, "
+                         "and 4194304)")
+    ap.add_argument("--block", type=int, default=256,
+                    help="values per block, one scale each (default 256)")
+    ap.add_argument("--repeat", type=int, default=15, help="timings per median (default 15)")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                     help="cpu: the thread's time on a core (default; a busy machine's "
                          "other processes then cost only cache and memory "
@@ -123,7 +127,7 @@ def main(argv=None):
     build, _, env = ISAS[args.isa]
     if env is not None and any(os.environ.get(k) != v for k, v in env.items()):
         # numba reads its target when it is imported: measure in a child
-        r = subprocess.run([sys.executable, "-m", "equarx_mpi.kernelbench", *argv],
+        r = subprocess.run([sys.executable, "-m", "equarx_mpi.bench", "kernels", *argv],
                            env={**os.environ, **env})
         return r.returncode
     native = Native.for_isa(args.isa)
@@ -145,7 +149,3 @@ def main(argv=None):
                   f"{r_nb / c_copy:>14.2f}{r_nb / np_copy:>15.2f}", flush=True)
     print(f"# load average {os.getloadavg()[0]:.2f} at the end")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -63,8 +63,8 @@ METHODS = {
                        "says)", dict(RING, wire="int4-affine", block_size=128)),
     "auto": Method("algorithm='auto' (the library default): per call the cost model's "
                    "fastest of MPI, shm (one node), the int8 ring, two-shot and "
-                   "hierarchical (across nodes); quantized only if predicted 5% faster "
-                   "than exact", dict(algorithm="auto")),
+                   "hierarchical (nodes of several ranks each); quantized only if "
+                   "predicted 5% faster than exact", dict(algorithm="auto")),
     "auto-exact": Method("algorithm='auto', accuracy='exact': the faster of MPI and shm "
                          "(one node) as the cost model predicts",
                          dict(algorithm="auto", accuracy="exact")),

@@ -5,7 +5,6 @@ import numpy as np
 
 from equarx_mpi.bench.common import human
 
-
 LEGEND = """\
 # columns (one row per message size and method):
 #   size(B), count, type   message per rank: count values of type (the same on every rank)

@@ -1,8 +1,9 @@
-"""Shared-window exact AllReduce against comm.Allreduce, one node.
+"""``python -m equarx_mpi.bench shm``: the shared-window exact AllReduce
+against comm.Allreduce, one node.
 
-    mpirun -n 2 python -m equarx_mpi.shmbench                  # 4K .. 256M
-    mpirun -n 8 --oversubscribe python -m equarx_mpi.shmbench -e 64M
-    python -m equarx_mpi.shmbench kernels                      # one process
+    mpirun -n 2 python -m equarx_mpi.bench shm                       # 4K .. 256M
+    mpirun -n 8 --oversubscribe python -m equarx_mpi.bench shm -e 64M
+    python -m equarx_mpi.bench shm kernels                           # one process
 
 allreduce (default): methods interleaved call by call on the same data:
   mpi      comm.Allreduce(x, y)                          (out of place)
@@ -10,8 +11,9 @@ allreduce (default): methods interleaved call by call on the same data:
   2phase   the same with oneshot_bytes=0                 (never one-shot)
   win      ShmAllreduce.allreduce(IN_PLACE, w), w from ShmAllreduce.empty()
 A call's time is the slowest rank's (each call starts after a Barrier); the
-table gives the median over the timed calls (at least -n, more for small
-sizes: about 0.2 s per method) and ratio = mpi / method.
+table gives the median over the timed calls (at least -n; more for small
+sizes, about --budget seconds per method, at most --max-iters) and
+ratio = mpi / method.
 
 Memory-traffic model, bytes each rank reads + writes for n bytes of input:
   shm      copy in all but the own slice 2n(P-1)/P; reduce: read n, write
@@ -27,21 +29,17 @@ kernels: GB/s of the reduction kernels against numpy, one process.
 """
 import argparse
 import statistics
-import subprocess
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi.bench.allreduce import human, parse_size, sizes
+from equarx_mpi.bench.common import arg_type, human, parse_size, sizes
 from equarx_mpi.collectives.shm import ShmAllreduce
 from equarx_mpi.kernels import shm as SK
+from equarx_mpi.model.profiles import cpu_model
 
-
-def cpu_name():
-    out = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True,
-                         text=True).stdout
-    return out.split(":")[-1].strip() or "unknown"
+PROG = "python -m equarx_mpi.bench shm"
 
 
 def copy_rate(comm, nbytes=64 << 20, reps=5):
@@ -84,9 +82,9 @@ def run_allreduce(args):
     alone, together = copy_rate(comm)
     traffic = {"shm": 5 - 2 / P, "win": 3}
     if r == 0:
-        print(f"# shmbench allreduce: {P} ranks, float32, SUM; {args.warmup} warm-up calls, "
+        print(f"# bench shm allreduce: {P} ranks, float32, SUM; {args.warmup} warm-up calls, "
               f"median of >= {args.iters} timed calls per size and method, interleaved")
-        print(f"# CPU: {cpu_name()}; load average {open('/proc/loadavg').read().split()[0]}")
+        print(f"# CPU: {cpu_model()}; load average {open('/proc/loadavg').read().split()[0]}")
         print(f"# copy rate (64 MiB numpy copy, read+write bytes): one rank alone "
               f"{alone / 1e9:.1f} GB/s; all {P} ranks at once {together / 1e9:.1f} GB/s in all")
         print(f"# {'size(B)':>10} {'size':>8} {'mpi(us)':>9} {'shm(us)':>9} {'2phase':>9} "
@@ -121,8 +119,8 @@ def run_allreduce(args):
 
 def run_kernels(args):
     """Reduction of one slice out of P slots of n bytes each."""
-    print(f"# shmbench kernels: float32 SUM, best of {args.iters}; GB/s of slot bytes read; "
-          f"CPU: {cpu_name()}")
+    print(f"# bench shm kernels: float32 SUM, best of {args.iters}; GB/s of slot bytes read; "
+          f"CPU: {cpu_model()}")
     print(f"# {'size':>8} {'P':>2} {'fused':>7} {'+recv':>7} {'numpy':>7}  (P=2: fused = "
           f"reduce_pair, else reduce_slots; +recv also writes the slice to recv; numpy: "
           f"P-1 np.add passes)")
@@ -163,26 +161,43 @@ def run_kernels(args):
                   flush=True)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m equarx_mpi.shmbench", description=__doc__,
+def build_parser():
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", nargs="?", choices=("allreduce", "kernels"), default="allreduce")
-    p.add_argument("-b", "--minbytes", type=parse_size, default=None,
+    size = arg_type(parse_size)
+    p.add_argument("what", nargs="?", choices=("allreduce", "kernels"), default="allreduce",
+                   help="allreduce (the default, under mpirun) or kernels (one process)")
+    p.add_argument("-b", "--minbytes", type=size, default=None, metavar="SIZE",
                    help="smallest message per rank (allreduce 4K, kernels 1M)")
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=None,
+    p.add_argument("-e", "--maxbytes", type=size, default=None, metavar="SIZE",
                    help="largest message per rank (allreduce 256M, kernels 64M)")
-    p.add_argument("-f", "--stepfactor", type=int, default=4)
-    p.add_argument("-w", "--warmup", type=int, default=2)
-    p.add_argument("-n", "--iters", type=int, default=7, help="timed calls, at least")
-    p.add_argument("--max-iters", type=int, default=200)
-    p.add_argument("--budget", type=float, default=0.2,
-                   help="seconds of timed calls per method and size, for small sizes")
+    p.add_argument("-f", "--stepfactor", type=int, default=4, metavar="F",
+                   help="size multiplier, at least 2 (default 4)")
+    p.add_argument("-w", "--warmup", type=int, default=2, metavar="N",
+                   help="allreduce: untimed rounds per size (default 2)")
+    p.add_argument("-n", "--iters", type=int, default=7, metavar="N",
+                   help="timed calls per size and method, at least (default 7); kernels: "
+                   "the best of N")
+    p.add_argument("--max-iters", type=int, default=200, metavar="N",
+                   help="allreduce: timed calls per size and method, at most (default 200)")
+    p.add_argument("--budget", type=float, default=0.2, metavar="SECONDS",
+                   help="allreduce: seconds of timed calls per method and size, for small "
+                   "sizes (default 0.2)")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
-    kernels = args.command == "kernels"
+    kernels = args.what == "kernels"
     args.minbytes = args.minbytes or parse_size("1M" if kernels else "4K")
     args.maxbytes = args.maxbytes or parse_size("64M" if kernels else "256M")
+    # the same arguments on every rank: every rank stops alike, before any call
+    if not 4 <= args.minbytes <= args.maxbytes:
+        p.error(f"need 4 <= --minbytes <= --maxbytes, got -b {args.minbytes} "
+                f"-e {args.maxbytes}")
+    if args.stepfactor < 2 or args.iters < 1 or args.warmup < 1:
+        p.error(f"need --stepfactor >= 2, --iters >= 1 and --warmup >= 1, got "
+                f"-f {args.stepfactor} -n {args.iters} -w {args.warmup}")
     (run_kernels if kernels else run_allreduce)(args)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,9 +1,12 @@
-"""Benchmark of the error-bounded mode against fixed int8, at the same error.
+"""``python -m equarx_mpi.bench tolerance``: the error-bounded mode
+(abs_tol) against fixed int8 two-shot, at the same error.
 
-    mpirun -n P python -m equarx_mpi.tolbench [--values N] [--repeats R]
+    mpirun -n P python -m equarx_mpi.bench tolerance [--values N] [--repeats R]
+                                                     [--kinds gaussian,field]
 
-For Gaussian data and a smooth 2-D field (a temperature-like field with an
-offset, different on every rank: the kind science codes reduce), float32:
+For each data kind of --kinds (Gaussian data; a smooth 2-D field, a
+temperature-like field with an offset, different on every rank: the kind
+science codes reduce), float32:
 
 1. int8 (two-shot, the same schedule) runs; its achieved error (largest
    |result - exact|, exact = the float64 sum of the gathered inputs,
@@ -28,11 +31,19 @@ from mpi4py import MPI
 
 from equarx_mpi.comm import QuantizedComm
 
+PROG = "python -m equarx_mpi.bench tolerance"
+#: --kinds: name -> what it is
+KINDS = {"gaussian": "standard normal values, seeded by rank",
+         "field": "a smooth 2-D field of 1024 columns: 280 (K) plus waves whose\n"
+                  "phases differ by rank, and a slow gradient"}
+
 
 def data(kind, n, rank):
-    """This rank's float32 input: ``n`` values."""
+    """This rank's float32 input: ``n`` values of ``kind`` (a key of KINDS)."""
     if kind == "gaussian":
         return np.random.default_rng(rank).standard_normal(n).astype(np.float32)
+    if kind != "field":
+        raise ValueError(f"unknown kind {kind!r}; choose from {', '.join(KINDS)}")
     # a smooth field on a grid of rows x cols with an offset: 280 K plus a
     # few waves whose phases differ by rank, and a slow gradient
     cols = 1024
@@ -84,16 +95,36 @@ def run(comm, kind, n, repeats, block):
     return rows, {name: statistics.median(t) for name, t in times.items()}
 
 
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n", 1)[1],
+        epilog="kinds (--kinds):\n" + "".join(
+            f"  {k:10s}" + d.replace("\n", "\n" + " " * 12) + "\n" for k, d in KINDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--values", type=int, default=1 << 20, metavar="N",
+                   help="float32 values per rank (default 1048576: 4 MiB)")
+    p.add_argument("--repeats", type=int, default=15, metavar="R",
+                   help="interleaved timed rounds (default 15)")
+    p.add_argument("--block", type=int, default=256, metavar="B",
+                   help="values per block (default 256)")
+    p.add_argument("--kinds", default="gaussian,field", metavar="K,K",
+                   help=f"comma-separated data kinds, from {', '.join(KINDS)} (see below; "
+                   "default gaussian,field)")
+    return p
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--values", type=int, default=1 << 20, help="float32 values per rank")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--block", type=int, default=256)
-    p.add_argument("--kinds", default="gaussian,field")
+    p = build_parser()
     a = p.parse_args(argv)
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    # the same arguments on every rank: every rank stops alike, before any call
+    if not kinds or any(k not in KINDS for k in kinds):
+        p.error(f"--kinds {a.kinds!r}: choose from {', '.join(KINDS)}")
+    if a.values < 1 or a.repeats < 1:
+        p.error(f"need --values >= 1 and --repeats >= 1, got {a.values}, {a.repeats}")
     comm = MPI.COMM_WORLD
     P = comm.Get_size()
-    for kind in a.kinds.split(","):
+    for kind in kinds:
         rows, med = run(comm, kind, a.values, a.repeats, a.block)
         if comm.Get_rank():
             continue
@@ -107,7 +138,4 @@ def main(argv=None):
             print(f"{name:<20} {tol_s:>10} {sent:>11} {sent / b0:>8.3f} {err:>13.4g} "
                   f"{bnd:>10.4g} {med[name] * 1e3:>10.3f} {med[name] / t0:>8.3f}")
         print(flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

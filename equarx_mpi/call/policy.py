@@ -1,5 +1,5 @@
-"""The choice of method for each call, in one place: exact MPI or a
-quantized schedule, how a shard is cut into pieces, and how values round.
+"""The choice of method for each call, in one place: exact MPI, the shared
+window, or a quantized schedule.
 
 Lossy only where the caller asked for it: SUM is quantized by default;
 MAX and MIN only when ``lossy_ops`` names them (then rounded so MAX is
@@ -33,7 +33,7 @@ from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
 #: named algorithms (not auto, which asks the cost model): one value when
 #: all ranks share a node (shared memory: MPI's copy is cheap, the kernels'
 #: passes over memory are not), one across nodes.  Measured with
-#: ``python -m equarx_mpi.bench``; see README "Defaults".
+#: ``python -m equarx_mpi.bench``; see docs/PERFORMANCE.md "Defaults".
 DEFAULT_MIN_QUANTIZED_BYTES = {"one_node": 4 << 20, "network": 256 << 10}
 #: auto takes a quantized method only where the model predicts it this much
 #: faster than the best exact one: exactness wins near-ties.
@@ -51,25 +51,12 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
     ``wrapped``: a wrapped communicator's call, whose exact calls give MPI's
     own bits (auto leaves out the window, which adds in another order);
     ``off``: EQUARX_MPI_DISABLE was set when the communicator was made."""
-    if P == 1:
-        return "copy", "one rank: a copy"
-    if off:
-        return "mpi", "EQUARX_MPI_DISABLE is set"
+    fixed = _without_model(opts, what, opname, dtype, P, layout, off)
+    if fixed is not None:
+        return fixed
     alg = opts["algorithm"]
-    if alg == "mpi":
-        return "mpi", "algorithm='mpi'"
-    if dtype not in QUANTIZED_DTYPES:
-        return "mpi", f"dtype {np.dtype(dtype).name} is always exact"
-    if what != "Allgather" and opname not in KERNEL_OP:
-        return "mpi", f"op {opname} is always exact"
-    window = layout.one_node and what == "Allreduce"
-    if alg == "shm":
-        return ("shm", "algorithm='shm': exact, through a shared window") if window else (
-            "mpi", "algorithm='shm' reduces only Allreduce on one node: MPI")
-    if what == "Allgather" and opts["wire"] == "mixed":
-        return "mpi", "the error-bounded mode (abs_tol/rel_tol) quantizes sums only"
     # exact from here on: through the window where auto may pick it and it pays
-    exact = ["mpi", "shm"] if alg == "auto" and window and not wrapped else ["mpi"]
+    window = alg == "auto" and layout.one_node and what == "Allreduce" and not wrapped
     times = {}
 
     def t(m):
@@ -77,36 +64,73 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
             times[m] = model.time(m, nbytes, np.dtype(dtype).itemsize, dtype_name(dtype))
         return times[m]
 
-    best_exact = min(exact, key=t) if len(exact) > 1 else "mpi"   # no model unless auto
-    if what != "Allgather":
-        if opname not in opts["lossy_ops"]:
-            return best_exact, (f"op {opname.upper()} is exact unless lossy_ops "
-                                f"includes {opname!r}")
-        if opname != "sum" and opts["wire"] not in DIRECTED_WIRES:
-            return best_exact, (f"{opname.upper()} travels quantized only on wires that "
-                                f"round up and down: {', '.join(DIRECTED_WIRES)}")
+    best_exact = min(["mpi", "shm"], key=t) if window else "mpi"    # no model unless auto
+    why_exact = _exact_op(opts, what, opname)
     # stochastic rounding has twice the error variance of nearest (costmodel)
     rmode = "stochastic" if rounding(opname, opts["rounding"]) == ROUND_STOCHASTIC else "nearest"
 
     def error(m):
         return model.error(m, rmode)
-    lossy, why = _lossy_candidates(opts, what, layout, error, feedback)
-    if not lossy:
-        return best_exact, why
-    least = opts["min_quantized_bytes"]
-    if alg != "auto":       # the measured crossover, no model
-        least = DEFAULT_MIN_QUANTIZED_BYTES["one_node" if layout.one_node else
-                                            "network"] if least is None else least
-    if least is not None and nbytes < least:
-        return best_exact, f"{nbytes} bytes is below min_quantized_bytes={least}"
-    if alg != "auto":
-        return lossy[0], why
+    lossy, why = ([], why_exact) if why_exact else _lossy_candidates(opts, what, layout, error,
+                                                                     feedback)
+    floor = _floor(opts, layout, nbytes) if lossy else None
+    if floor:
+        lossy, why = [], floor
+    if not lossy or alg != "auto":
+        return (lossy[0], why) if lossy else (best_exact, why)
     best = near_fastest(lossy, t, error)
     if t(best) * LOSSY_MARGIN > t(best_exact):
         return best_exact, (f"auto: exact is predicted faster: {_predicted(times, best_exact)}, "
                             f"{_predicted(times, best)}")
     return best, (f"auto: {_predicted(times, best)}, error {error(best):.2%}; "
                   f"{_predicted(times, best_exact)}")
+
+
+def _without_model(opts, what, opname, dtype, P, layout, off):
+    """(method, reason) for the calls whose path no size or model changes,
+    else None."""
+    alg = opts["algorithm"]
+    if P == 1:
+        return "copy", "one rank: a copy"
+    if off:
+        return "mpi", "EQUARX_MPI_DISABLE is set"
+    if alg == "mpi":
+        return "mpi", "algorithm='mpi'"
+    if dtype not in QUANTIZED_DTYPES:
+        return "mpi", f"dtype {np.dtype(dtype).name} is always exact"
+    if what != "Allgather" and opname not in KERNEL_OP:
+        return "mpi", f"op {opname} is always exact"
+    if alg == "shm":
+        return ("shm", "algorithm='shm': exact, through a shared window") \
+            if layout.one_node and what == "Allreduce" else (
+                "mpi", "algorithm='shm' reduces only Allreduce on one node: MPI")
+    if what == "Allgather" and opts["wire"] == "mixed":
+        return "mpi", "the error-bounded mode (abs_tol/rel_tol) quantizes sums only"
+    return None
+
+
+def _exact_op(opts, what, opname):
+    """Why op ``opname`` stays exact under these options, or None."""
+    if what == "Allgather":
+        return None
+    if opname not in opts["lossy_ops"]:
+        return f"op {opname.upper()} is exact unless lossy_ops includes {opname!r}"
+    if opname != "sum" and opts["wire"] not in DIRECTED_WIRES:
+        return (f"{opname.upper()} travels quantized only on wires that round up and "
+                f"down: {', '.join(DIRECTED_WIRES)}")
+    return None
+
+
+def _floor(opts, layout, nbytes):
+    """Why a message this small stays exact, or None: below
+    ``min_quantized_bytes``, which for the named algorithms defaults to
+    the measured crossover (auto asks the model instead)."""
+    least = opts["min_quantized_bytes"]
+    if least is None and opts["algorithm"] != "auto":
+        least = DEFAULT_MIN_QUANTIZED_BYTES["one_node" if layout.one_node else "network"]
+    if least is not None and nbytes < least:
+        return f"{nbytes} bytes is below min_quantized_bytes={least}"
+    return None
 
 
 def near_fastest(methods, t, error):
@@ -122,6 +146,11 @@ def _predicted(times, m):
     return f"{m} predicted {times[m] * 1e3:.3g} ms"
 
 
+def _hierarchical_fits(what, layout):
+    """The node-aware schedule covers Allreduce across nodes of equal size."""
+    return what == "Allreduce" and layout.uniform and not layout.one_node
+
+
 def _lossy_candidates(opts, what, layout, error, feedback):
     """(quantized methods this call may take, and why, in words): the
     algorithm asked for, or under auto every one that fits the call, the
@@ -133,14 +162,12 @@ def _lossy_candidates(opts, what, layout, error, feedback):
         cands = ["ring"]
         if wire in MANY_INPUT_WIRES and what != "Allgather":
             cands.append("two_shot")
-        # with one rank per node it is two-shot plus a window step that
-        # sums nothing: never worth it
-        if what == "Allreduce" and layout.uniform and not layout.one_node and not feedback \
-                and layout.ranks_per_node > 1:
+        # with one rank per node it is two-shot plus a window step that sums
+        # nothing: never worth it; error feedback it cannot carry
+        if _hierarchical_fits(what, layout) and layout.ranks_per_node > 1 and not feedback:
             cands.append("hierarchical")
         why = "auto"
-    elif alg == "hierarchical" and not (what == "Allreduce" and layout.uniform
-                                        and not layout.one_node):
+    elif alg == "hierarchical" and not _hierarchical_fits(what, layout):
         cands, why = ["ring"], ("hierarchical covers Allreduce across nodes of equal size; "
                                 "this call: the ring")
     elif alg == "two_shot" and what == "Allgather":

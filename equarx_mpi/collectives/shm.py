@@ -7,7 +7,7 @@
     sh.free()                        # collective
 
 The result is the reduction of the ranks' values in the fixed order rank 0,
-1, ..., P-1 (equarx_mpi/shm_kernels.py), accumulated in float32 for float16
+1, ..., P-1 (kernels/shm.py), accumulated in float32 for float16
 and bfloat16 and rounded once: bitwise the same on every rank and every call.
 
 Window layout: one allocation by node rank 0 (so the layout is ours, not the

@@ -8,7 +8,7 @@ def _drop_stale_cache():
     """numba's on-disk cache checks only the file that defines a kernel, not
     the helpers it inlines from common.py: after any kernel source changes,
     drop this package's cached kernels, and those of the modules above it
-    that inline its helpers (shm_kernels.py, bound.py), so none is stale.
+    that inline its helpers (kernels/shm.py, bounds/bound.py), so none is stale.
     Ranks racing here at worst recompile."""
     here = os.path.dirname(os.path.abspath(__file__))
     cache = os.path.join(here, "__pycache__")

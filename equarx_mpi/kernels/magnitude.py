@@ -2,7 +2,7 @@
 the magnitudes (Inf above every finite value, NaN above Inf), so a largest
 magnitude is an integer max() that vectorizes, where a float one that must
 skip NaN does not.  Used by the error bound's magnitude pass (bound.py) and
-the shared window's kernels (shm_kernels.py)."""
+the shared window's kernels (kernels/shm.py)."""
 import numpy as np
 from numba import types
 from numba.extending import overload

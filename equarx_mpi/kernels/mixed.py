@@ -63,7 +63,6 @@ from equarx_mpi.kernels.common import (
 )
 
 ZERO, INT4, INT4A, INT8, INT8A, INT16, RAW, FLAG = range(8)
-NAMES = ("zero", "int4", "int4-affine", "int8", "int8-affine", "int16", "raw", "flag")
 L16 = 32767
 META = 24                      # bytes before the tags
 #: budgets are compared with bounds times this, so the float64 rounding of

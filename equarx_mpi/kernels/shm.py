@@ -2,7 +2,7 @@
 
 Pure functions on contiguous 1-D arrays.  The window is one flat array in
 the kernels' element type (float32, float64, or the bits of float16 as int16
-and of bfloat16 as uint16, see equarx_mpi/kernels.py); slot k starts at
+and of bfloat16 as uint16, see kernels/common.py); slot k starts at
 ``k * stride`` and its data ``at[k]`` values into it (each rank says where
 its own starts).  The ``op`` argument is 0 for SUM, 1 for MAX, 2 for MIN.
 

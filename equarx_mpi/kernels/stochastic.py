@@ -5,7 +5,7 @@ A counter-based generator: the uniform number of value i of a piece is a
 hash of (stream + i), so any piece can be encoded alone, in any order, by
 a vectorized loop.  The hash is splitmix64's output step (Steele, Lea and
 Flood, 2014); ``stream`` already mixes the seed, the call and the rank, and
-the piece's offset times GOLDEN (formats._Format._stream), so value i of a
+the piece's offset times GOLDEN (wire/base.py: Format._stream), so value i of a
 piece draws splitmix64's output for state key + (global index + 1) * GOLDEN.
 """
 import numpy as np

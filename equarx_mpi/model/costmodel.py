@@ -45,7 +45,7 @@ KERNELS = ("encode", "decode", "decode_reduce", "hop", "many")
 #: per wire and block size (docs/TUNING.md "Error model").  A method's error
 #: is this times sqrt(the sum of the variances it quantizes / the result's):
 #: ring sqrt((P+1)/2), two-shot sqrt(2 - 1/P); measured through the library
-#: (README "Accuracy") within 0.5% of it for int8, fp8 and bf16; int4 lies
+#: (docs/ACCURACY.md) within 0.5% of it for int8, fp8 and bf16; int4 lies
 #: 10-15% below it (an upper estimate there).
 E1 = {
     "int8": {32: 0.005337, 64: 0.005922, 128: 0.006444, 256: 0.00695, 512: 0.007406,

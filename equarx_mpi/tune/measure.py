@@ -1,4 +1,5 @@
-"""Measure this machine's profile for algorithm="auto" (docs/TUNING.md).
+"""``python -m equarx_mpi.tune [measure]``: measure this machine's profile
+for algorithm="auto" (docs/TUNING.md).
 
     mpirun -n 8 python -m equarx_mpi.tune [--quick] [--output PATH] [--fresh]
     python -m equarx_mpi.tune predict --ranks 16,64,256,1024 --rate 10gbit,100gbit
@@ -14,8 +15,9 @@ stderr; the profile to profiles.default_path() (merged into what is
 there), where QuantizedComm finds it.  A few minutes at 8 ranks on 2 cores;
 ``--quick`` (the whole job only, two small sizes) takes seconds.
 
-predict: the model's times and speedups over MPI for clusters that were
-not measured.  check: the model's predictions against a benchmark's JSON.
+predict (tune/predict.py): the model's times and speedups over MPI for
+clusters that were not measured.  check: the model's predictions against a
+benchmark's JSON.  builtin (tune/builtin.py): the built-in profile.
 """
 import argparse
 import datetime
@@ -26,7 +28,7 @@ import time
 
 import numpy as np
 
-from equarx_mpi.bench.allreduce import human, parse_size
+from equarx_mpi.bench.common import arg_type, comma_list, human, mpi_library, parse_size
 from equarx_mpi.model import costmodel, profiles
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -149,11 +151,12 @@ def _layout_comms(world, node):
     """[(nodes, rpn, sub-communicator or COMM_NULL)] for every layout this
     job can measure (collective; the caller frees them)."""
     from mpi4py import MPI
-    rank, L = world.Get_rank(), node.Get_size()
-    lead = world.allgather(node.bcast(rank))
-    names = sorted(set(lead))
-    N, me = len(names), names.index(lead[rank])
-    uniform = len(set(world.allgather(L))) == 1
+
+    from equarx_mpi.collectives.nodes import layout
+    rank = world.Get_rank()
+    lay, leader = layout(world, node)
+    N, L, uniform = lay.nodes, lay.ranks_per_node, lay.uniform
+    me = sorted(set(world.allgather(leader))).index(leader)     # this node's index
     lr = node.Get_rank()
     grow = lambda top: sorted({min(2 ** k, top) for k in range(1, top.bit_length() + 1)})  # noqa
     wanted = [(1, k, me == 0 and lr < k) for k in grow(L) if L >= 2]
@@ -234,7 +237,6 @@ def _measure_layout(sub, nodes, rpn, args, alone, say):
 def measure(args):
     from mpi4py import MPI
 
-    from equarx_mpi.bench.allreduce import mpi_library
     from equarx_mpi.collectives.nodes import split_nodes
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -315,28 +317,31 @@ def _save(prof, path, fresh):
     os.replace(tmp, path)
 
 
-def _list(text, parse=str):
-    return [parse(t) for t in text.split(",") if t.strip()]
-
-
-def build_parser():
+def build_parser(commands=""):
+    """measure's options; ``commands``: the list of tune's commands, shown in
+    --help (python -m equarx_mpi.tune passes it)."""
     p = argparse.ArgumentParser(prog="python -m equarx_mpi.tune",
-                                description=__doc__.split("\n\n")[1],
+                                usage="mpirun -n P python -m equarx_mpi.tune [measure] "
+                                      "[options]\n"
+                                      "       python -m equarx_mpi.tune COMMAND [options]",
+                                description=__doc__.split("\n\n")[2], epilog=commands,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", metavar="PATH", help="where to save (default: "
-                   "~/.cache/equarx_mpi/profile-<host key>.json)")
+                   "$XDG_CACHE_HOME or ~/.cache, then equarx_mpi/profile-<host key>.json)")
     p.add_argument("--fresh", action="store_true", help="replace the file instead of "
                    "merging the measured layouts into it")
     p.add_argument("--quick", action="store_true", help="the whole job only, two small sizes")
-    p.add_argument("--wire", default="int8", help="wire the methods are timed with")
-    p.add_argument("--wires", type=_list, default=None, metavar="W,W",
+    p.add_argument("--wire", default="int8", help="wire the methods are timed with "
+                   "(default int8)")
+    p.add_argument("--wires", type=arg_type(comma_list(str)), default=None, metavar="W,W",
                    help="wires whose kernels are measured (default: --wire)")
-    p.add_argument("--block", type=int, default=256)
-    p.add_argument("--sizes", type=lambda t: _list(t, parse_size), default=None,
+    p.add_argument("--block", type=int, default=256, help="values per block (default 256)")
+    p.add_argument("--sizes", type=arg_type(comma_list(parse_size)), default=None,
                    metavar="S,S", help="message sizes per rank (default 16K,64K,256K,1M,4M,"
-                "16M,64M: the shared window's one-shot limit and the named algorithms' "
-                "crossover among them)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per size and method")
+                   "16M,64M, with --quick 64K,1M; among them the shared window's one-shot "
+                   "limit, 64K, and the named algorithms' floors, 256K and 4M)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls per size and method "
+                   "(default 5, --quick 2)")
     return p
 
 
@@ -357,13 +362,6 @@ def _defaults(args):
     return args
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("predict", "check", "builtin"):
-        from equarx_mpi.tune import predict as tunepredict
-        return getattr(tunepredict, argv[0])(argv[1:])
-    return measure(_defaults(build_parser().parse_args(argv)))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None, commands=""):
+    """``python -m equarx_mpi.tune [measure] ARGS`` (tune/__main__.py)."""
+    return measure(_defaults(build_parser(commands).parse_args(argv)))

@@ -1,15 +1,21 @@
-"""The cost model's answers: ``python -m equarx_mpi.tune predict`` (clusters
-that were not measured) and ``... tune check`` (against a benchmark run);
-and ``... tune builtin A.json B.json`` (for maintainers: the built-in
-profile, costmodel_builtin.py, from measured ones).  Serial; no MPI job."""
+"""The cost model's answers, serial (no MPI job): ``python -m
+equarx_mpi.tune predict`` (clusters that were not measured) and ``...
+tune check`` (against a benchmark run)."""
 import argparse
 import json
-import sys
 
-from equarx_mpi.bench.allreduce import METHODS, human, parse_size
+from equarx_mpi.bench.common import (
+    arg_type,
+    comma_list,
+    human,
+    parse_latency,
+    parse_rate,
+    parse_size,
+)
+from equarx_mpi.bench.methods import METHODS
 from equarx_mpi.call.policy import LOSSY_MARGIN, near_fastest
-from equarx_mpi.cluster import parse_rate
 from equarx_mpi.model import costmodel, profiles
+from equarx_mpi.wire.formats import default_block
 
 LOSSY = ("ring", "two_shot", "hierarchical")
 
@@ -20,12 +26,19 @@ def _profile(path):
     return profiles.merge(profiles.builtin(), profiles.load(path)), path
 
 
-def _latency(text):
-    t = text.strip().lower()
-    for unit, k in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
-        if t.endswith(unit):
-            return float(t[:-len(unit)]) * k
-    raise argparse.ArgumentTypeError(f"not a latency: {text!r} (e.g. 20us)")
+def _link_rate(text):
+    """A link rate in bits/s (common.parse_rate), never "none"."""
+    bits = parse_rate(text)
+    if bits is None:
+        raise ValueError(f"a link needs a rate, not {text!r}")
+    return bits
+
+
+def _positive(text):
+    n = int(text)
+    if n < 1:
+        raise ValueError(f"need a positive count, got {text!r}")
+    return n
 
 
 def cluster_hw(profile, nodes, rpn, rate_bits, latency, wire="int8"):
@@ -56,46 +69,51 @@ def predict_times(profile, nodes, rpn, rate_bits, latency, nbytes, wire="int8", 
     return out
 
 
-def predict(argv):
+def predict(argv=None):
     p = argparse.ArgumentParser(prog="python -m equarx_mpi.tune predict",
                                 description="The model's Allreduce times and speedups over "
-                                "MPI for clusters that were not measured.")
-    p.add_argument("--ranks", default="16,64,256,1024")
-    p.add_argument("--rate", default="10gbit,100gbit", help="link rates per node")
-    p.add_argument("--ranks-per-node", default="1,8")
-    p.add_argument("--sizes", default="1M,16M,256M", help="message per rank")
-    p.add_argument("--latency", type=_latency, default=_latency("20us"),
+                                "MPI for clusters that were not measured.  Serial.",
+                                epilog="sizes: K/M/G = 1024, 1024**2, 1024**3 bytes; rates: "
+                                "tc's units (10gbit, 125mbps); latencies: us, ms or s")
+    ints = arg_type(comma_list(_positive))
+    p.add_argument("--ranks", type=ints, default="16,64,256,1024", metavar="P,P",
+                   help="ranks in all (default 16,64,256,1024)")
+    p.add_argument("--rate", type=arg_type(comma_list(_link_rate)), default="10gbit,100gbit",
+                   metavar="R,R", help="link rate per node (default 10gbit,100gbit)")
+    p.add_argument("--ranks-per-node", type=ints, default="1,8", metavar="L,L",
+                   help="default 1,8")
+    p.add_argument("--sizes", type=arg_type(comma_list(parse_size)), default="1M,16M,256M",
+                   metavar="S,S", help="message per rank (default 1M,16M,256M)")
+    p.add_argument("--latency", type=arg_type(parse_latency), default="20us",
                    help="per message between nodes, MPI and Python included (default 20us)")
     p.add_argument("--accuracy", type=float, default=None,
                    help="largest relative error of the method picked (default: any)")
-    p.add_argument("--wire", default="int8")
+    p.add_argument("--wire", default="int8", help="default int8")
     p.add_argument("--profile", help="profile file (default: as QuantizedComm finds it)")
     a = p.parse_args(argv)
     profile, source = _profile(a.profile)
-    ranks = [int(x) for x in a.ranks.split(",")]
-    rates = [parse_rate(x) for x in a.rate.split(",")]
-    rpns = [int(x) for x in a.ranks_per_node.split(",")]
-    sizes = [parse_size(x) for x in a.sizes.split(",")]
+    block = default_block(a.wire)
     k = profile["kernels"]["int8"]["float32"]
     print(f"# equarx_mpi cost model predictions (profile: {source}); float32 SUM Allreduce, "
-          f"{a.wire} wire\n# assumptions: one core per rank; kernels as measured on one core "
-          f"(hop {1e-9 / k['hop']:.2f}, decode {1e-9 / k['decode']:.2f} G values/s), copies "
-          f"{1e-9 / profile['copy']:.1f} GB/s per rank; {a.latency * 1e6:g} us per message "
-          f"between nodes, one link per node;\n# mpi = an ideal exact ring or recursive "
-          f"doubling at the link rate (the better); accuracy {a.accuracy}")
+          f"{a.wire} wire, block {block}\n# assumptions: one core per rank; kernels as "
+          f"measured on one core (int8 hop {1e-9 / k['hop']:.2f}, decode "
+          f"{1e-9 / k['decode']:.2f} G values/s), copies {1e-9 / profile['copy']:.1f} GB/s "
+          f"per rank; {a.latency * 1e6:g} us per message between nodes, one link per node;\n"
+          f"# mpi = an ideal exact ring or recursive doubling at the link rate (the better); "
+          f"accuracy {a.accuracy}")
     print("# columns: ranks, ranks/node, link, size/rank, time [ms] per method, auto's pick "
-          "(mpi unless a quantized method is 5% faster), its error, speedup over mpi")
+          f"(mpi unless a quantized method is {LOSSY_MARGIN - 1:.0%} faster), its error, "
+          "speedup over mpi")
     print(f"#{'ranks':>6} {'rpn':>4} {'link':>8} {'size':>9} {'mpi':>9} {'ring':>9} "
           f"{'two_shot':>9} {'hier':>9} {'auto':>13} {'error':>6} {'speedup':>8}")
-    for rpn in rpns:
-        for rate in rates:
-            for P in ranks:
+    for rpn in a.ranks_per_node:
+        for rate in a.rate:
+            for P in a.ranks:
                 if P % rpn or P // rpn < 2:
                     continue
-                for n in sizes:
-                    t = predict_times(profile, P // rpn, rpn, rate, a.latency, n, a.wire)
-                    m = costmodel.Model(profile, P // rpn, rpn, a.wire,
-                                        costmodel.formats.default_block(a.wire))
+                for n in a.sizes:
+                    t = predict_times(profile, P // rpn, rpn, rate, a.latency, n, a.wire, block)
+                    m = costmodel.Model(profile, P // rpn, rpn, a.wire, block)
                     ok = [x for x in LOSSY if x in t
                           and (a.accuracy is None or m.error(x) <= a.accuracy)]
                     best = near_fastest(ok, t.get, m.error) if ok else "mpi"
@@ -108,32 +126,54 @@ def predict(argv):
     return 0
 
 
-def _bench_method(name):
-    """The model's method for a benchmark column ("auto" for auto), or None."""
-    opts = METHODS[name][1]
+def model_method(row):
+    """The cost model's method for a benchmark row (bench --json), from what
+    the row ran (its path): "mpi", "shm", "ring", "two_shot",
+    "hierarchical", or "auto" for the auto column; None where the model has
+    no such method (another wire, pinned chunks, no argument agreement,
+    auto-exact, a name this version does not know)."""
+    method = METHODS.get(row["method"])
+    if method is None:
+        return None
+    opts = method.options
     if opts is None:
         return "mpi"
-    if opts.get("wire", "int8") != "int8" or opts.get("chunks") is not None:
+    if opts.get("algorithm") == "auto":
+        return "auto" if opts.get("accuracy") is None else None
+    if opts.get("wire", "int8") != "int8" or "chunks" in opts or opts.get("check") is False:
         return None
-    return opts.get("algorithm", "auto")
+    if row["path"] in ("exact", "shm"):
+        return {"exact": "mpi", "shm": "shm"}[row["path"]]
+    algorithm, _, wire = row["path"].partition("/")
+    return algorithm if wire == "int8" else None
 
 
-def check(argv):
+def check(argv=None):
     p = argparse.ArgumentParser(prog="python -m equarx_mpi.tune check",
                                 description="The model's predictions against a benchmark's "
                                 "JSON (python -m equarx_mpi.bench --json), and auto against "
-                                "the best single method.")
+                                "the best single method.  Each row is checked against the "
+                                "method it ran (its path: int8 below its floor is MPI).  "
+                                "Serial.")
     p.add_argument("bench_json", nargs="+")
     p.add_argument("--layout", default=None, help="NxL (default: 1 node of the run's ranks)")
     p.add_argument("--profile", help="profile file (default: as QuantizedComm finds it)")
     a = p.parse_args(argv)
+    if a.layout is not None:
+        try:
+            nodes, rpn = (int(x) for x in a.layout.lower().split("x"))
+        except ValueError:
+            p.error(f"--layout {a.layout!r}: expected NxL, e.g. 4x1")
     profile, source = _profile(a.profile)
     errs, gaps = {}, []
     for path in a.bench_json:
         with open(path) as f:
             run = json.load(f)
-        nodes, rpn = ((int(x) for x in a.layout.split("x")) if a.layout else (1, run["ranks"]))
-        model = costmodel.Model(profile, nodes, rpn, "int8", 256)
+        if "rows" not in run:
+            p.error(f"{path}: no rows (an allreduce run's --json; --overlap runs have none)")
+        if a.layout is None:
+            nodes, rpn = 1, run["ranks"]
+        model = costmodel.Model(profile, nodes, rpn, "int8", run.get("block", 256))
         print(f"# {path}: {nodes}x{rpn}, profile {source}")
         print(f"#{'size':>9} {'method':>12} {'path':>14} {'measured':>10} {'model':>10} "
               f"{'error':>7} {'physical':>10} {'error':>7}")
@@ -141,9 +181,9 @@ def check(argv):
         for r in run["rows"]:
             by_size.setdefault(r["bytes"], []).append(r)
         for n, rows in sorted(by_size.items()):
-            single = {}
+            single, auto = {}, None
             for r in rows:
-                m = _bench_method(r["method"])
+                m = model_method(r)
                 t = r["time_us"]["avg"] * 1e-6
                 if m is None:
                     continue
@@ -157,7 +197,7 @@ def check(argv):
                 print(f" {human(n):>9} {r['method']:>12} {r['path']:>14} {t * 1e3:10.3f} "
                       f"{pred * 1e3:10.3f} {pred / t - 1:+7.1%} {phys * 1e3:10.3f} "
                       f"{phys / t - 1:+7.1%}")
-            if single and any(_bench_method(r["method"]) == "auto" for r in rows):
+            if single and auto is not None:
                 best = min(single, key=single.get)
                 gap = auto[0] / single[best] - 1
                 gaps.append(gap)
@@ -171,37 +211,3 @@ def check(argv):
         print(f"# auto vs best single method: worst {max(gaps):+.1%}, "
               f"{sum(g <= 0.05 for g in gaps)}/{len(gaps)} sizes within 5%")
     return 0
-
-
-def builtin(argv):
-    p = argparse.ArgumentParser(prog="python -m equarx_mpi.tune builtin",
-                                description="Merge measured profiles (later ones win) into "
-                                "equarx_mpi/costmodel_builtin.py.")
-    p.add_argument("profiles", nargs="+")
-    a = p.parse_args(argv)
-    merged = profiles.load(a.profiles[0])
-    for path in a.profiles[1:]:
-        merged = profiles.merge(merged, profiles.load(path))
-    merged.update(source="builtin", key="builtin")
-    merged.pop("machine", None)
-    machines = [profiles.load(path).get("machine", {}) for path in a.profiles]
-    head = "".join(f"#   {m.get('command', '?')}  ({m.get('ranks', '?')} ranks, "
-                   f"{m.get('date', '?')}, load {m.get('load_before', '?')})\n"
-                   for m in machines)
-    path = costmodel.__file__.replace("costmodel.py", "costmodel_builtin.py")
-    with open(path, "w") as f:
-        f.write('"""The built-in profile: what algorithm="auto" decides with when this\n'
-                'machine has none (docs/TUNING.md).  Generated by\n'
-                f'``python -m equarx_mpi.tune builtin {chr(10).join(a.profiles)}``\n'
-                'from profiles measured on the project\'s 2-core machine '
-                f'({machines[0].get("cpu", "?")}):\n"""\n{head}'
-                f"PROFILE = {json.dumps(merged, indent=1)}\n"
-                .replace(": null", ": None").replace(": true", ": True")
-                .replace(": false", ": False"))
-    print(f"wrote {path}")
-    return 0
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return {"predict": predict, "check": check, "builtin": builtin}[argv[0]](argv[1:])

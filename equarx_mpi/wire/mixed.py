@@ -1,7 +1,7 @@
 """The error-bounded mode's wire format, "mixed" (kernels/mixed.py,
 docs/FORMAT.md): each block in the cheapest encoding (none, int4,
 int4-affine, int8, int8-affine, int16, raw) whose bound fits the budget,
-named by a per-block tag.  Sum only, two-shot only (formats.py lists the
+named by a per-block tag.  Sum only, two-shot only (wire/base.py lists the
 methods a format offers; this one has no single-input decode_reduce).
 
 Pieces vary in length: a message is the piece's used bytes followed by its

@@ -36,7 +36,7 @@ def address(a):
 
 
 class Streams:
-    """The stochastic keying of a wire format (a base of formats._Format)."""
+    """The stochastic keying of a wire format (a base of wire/base.py Format)."""
 
     def __init__(self):
         self.calls = 0          # calls begun so far: part of the stochastic key
