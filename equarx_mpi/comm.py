@@ -260,7 +260,7 @@ class QuantizedComm:
         source = plan.bound_source(what, name, dtype, P, method, nbytes, later, self.check,
                                    feedback is not None, tolerant)
         most = None
-        if source == plan.AGREED and self.check:
+        if (source == plan.AGREED or tolerant) and self.check:
             most = exact.largest(recv if send is None else send)
         meta = meta + [("feedback", int(feedback is not None))]
         if self.check:   # the method too: EQUARX_MPI_DISABLE could differ between ranks

@@ -26,15 +26,13 @@ import functools
 import math
 
 import numpy as np
-from numba import njit
 
-from equarx_mpi.kernels.magnitude import mag_bits, mag_limits, mag_value
+from equarx_mpi.kernels.magnitude import block_absmax
 from equarx_mpi.names import BFLOAT16, kernel_dtype  # noqa: F401 (kernel_dtype: bound's word)
 
 #: bytes of the trailer at the end of every message: float64 (pre, total, mag)
 TRAILER = 24
 SLACK = 1 + 2.0 ** -32
-_U = np.uint64
 
 #: kernel element type -> (unit roundoff, half the smallest subnormal) of
 #: the value type it stands for: float16 is int16 bits, bfloat16 uint16 bits
@@ -70,29 +68,6 @@ def gamma(k, u):
 
 # --- the largest magnitude of values, in one pass ---------------------------------
 
-@njit(cache=True, nogil=True)
-def _block_absmax(values, block, finite_only, out):
-    """out[b] = the largest magnitude in block b of ``values`` (a kernel
-    view): of its finite values only, or Inf if it holds Inf or NaN.  On
-    the magnitudes' bits, which order like the magnitudes: an integer max()
-    vectorizes; a block holding Inf or NaN (rare) is scanned again."""
-    zero, inf = mag_limits(values)
-    n = values.size
-    for b in range(out.size):
-        lo = b * block
-        hi = min(lo + block, n)
-        mx = zero
-        for i in range(lo, hi):
-            mx = max(mx, mag_bits(values, _U(i)))
-        if mx >= inf and finite_only:
-            mx = zero
-            for i in range(lo, hi):
-                x = mag_bits(values, _U(i))
-                if x < inf and x > mx:
-                    mx = x
-        out[b] = np.inf if mx >= inf else mag_value(values, mx)
-
-
 def block_magnitudes(values, block, finite_only=False):
     """Per block of ``block`` values of a kernel view (float32, float64, or
     the int16/uint16 bits of float16/bfloat16): the largest magnitude, as
@@ -100,7 +75,7 @@ def block_magnitudes(values, block, finite_only=False):
     largest finite magnitude)."""
     out = np.empty(-(-values.size // block), np.float64)
     if out.size:
-        _block_absmax(values, block, finite_only, out)
+        block_absmax(values, block, finite_only, out)
     return out
 
 

@@ -10,11 +10,13 @@ float SUM needs M, the largest finite input magnitude over all ranks:
               none is known (PROD, a buffer only MPI can read)
     AGREED    M rides on the call's argument agreement (check=True), or,
               in the error-bounded mode with check=False, on its own
-              8-byte MAX Allreduce (settle)
+              8-byte MAX Allreduce (settle); the error-bounded mode's
+              quantized calls need M too (their budget), the same way
     WINDOW    the shared window finds M on its way (method "shm", the
               inputs as the caller gave them)
     AT_RUN    the values exist only when the call runs (a persistent
-              request, error feedback): one MAX Allreduce then
+              request; error feedback, whose moved inputs the bound
+              counts, on any exact path): one MAX Allreduce then
     UNKNOWN   check=False outside the error-bounded mode: Inf
     SCHEDULE  a quantized call
 """
@@ -39,11 +41,13 @@ def bound_source(what, opname, dtype, P, method, nbytes, later, check, moved, to
     inputs; ``tolerant``: the error-bounded mode applies."""
     if method not in EXACT:
         return SCHEDULE
+    if moved:           # each rank's input moved: the bound counts by how much
+        return AT_RUN
     if not nbytes or not exact.sums_floats(what, opname, dtype, P):
         return FIXED
     if tolerant:
         return AGREED
-    if method == "shm" and not moved:
+    if method == "shm":
         return WINDOW
     if not check:
         return UNKNOWN

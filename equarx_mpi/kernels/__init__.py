@@ -7,12 +7,10 @@ import os
 def _drop_stale_cache():
     """numba's on-disk cache checks only the file that defines a kernel, not
     the helpers it inlines from common.py: after any kernel source changes,
-    drop this package's cached kernels, and those of the modules above it
-    that inline its helpers (kernels/shm.py, bounds/bound.py), so none is stale.
-    Ranks racing here at worst recompile."""
+    drop this package's cached kernels (all the package's numba code lives
+    here), so none is stale.  Ranks racing here at worst recompile."""
     here = os.path.dirname(os.path.abspath(__file__))
     cache = os.path.join(here, "__pycache__")
-    above = os.path.join(os.path.dirname(here), "__pycache__")
     digest = hashlib.sha1()
     for name in sorted(os.listdir(here)):
         if name.endswith(".py"):
@@ -26,13 +24,12 @@ def _drop_stale_cache():
     except OSError:
         pass
     try:
-        for folder in (cache, above):
-            for name in os.listdir(folder) if os.path.isdir(folder) else ():
-                if name.endswith((".nbi", ".nbc")):
-                    try:
-                        os.remove(os.path.join(folder, name))
-                    except OSError:
-                        pass
+        for name in os.listdir(cache) if os.path.isdir(cache) else ():
+            if name.endswith((".nbi", ".nbc")):
+                try:
+                    os.remove(os.path.join(cache, name))
+                except OSError:
+                    pass
         tmp = f"{stamp}.{os.getpid()}"
         with open(tmp, "w") as f:
             f.write(digest.hexdigest())

@@ -1,10 +1,10 @@
 """The magnitude bits of kernel elements: unsigned integers that order like
 the magnitudes (Inf above every finite value, NaN above Inf), so a largest
 magnitude is an integer max() that vectorizes, where a float one that must
-skip NaN does not.  Used by the error bound's magnitude pass (bound.py) and
+skip NaN does not.  Used by the error bound's magnitude pass (block_absmax, for bounds/bound.py) and
 the shared window's kernels (kernels/shm.py)."""
 import numpy as np
-from numba import types
+from numba import njit, types
 from numba.extending import overload
 
 from equarx_mpi.kernels.common import (
@@ -59,3 +59,26 @@ def _mag_value(src, bits):
     if dt == types.int16:
         return lambda src, bits: np.float64(f16_to_f32(np.int16(bits)))
     return lambda src, bits: np.float64(bf16_to_f32(bits))
+
+
+@njit(**CACHE)
+def block_absmax(values, block, finite_only, out):
+    """out[b] = the largest magnitude in block b of ``values`` (a kernel
+    view): of its finite values only, or Inf if it holds Inf or NaN.  On
+    the magnitudes' bits, which order like the magnitudes: an integer max()
+    vectorizes; a block holding Inf or NaN (rare) is scanned again."""
+    zero, inf = mag_limits(values)
+    n = values.size
+    for b in range(out.size):
+        lo = b * block
+        hi = min(lo + block, n)
+        mx = zero
+        for i in range(lo, hi):
+            mx = max(mx, mag_bits(values, np.uint64(i)))
+        if mx >= inf and finite_only:
+            mx = zero
+            for i in range(lo, hi):
+                x = mag_bits(values, np.uint64(i))
+                if x < inf and x > mx:
+                    mx = x
+        out[b] = np.inf if mx >= inf else mag_value(values, mx)
