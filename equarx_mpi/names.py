@@ -4,6 +4,8 @@ It imports no module of the package, so a kernel, a wire format, a
 schedule and the policy can all take their constants from here without
 reaching up into a higher layer.
 """
+from typing import NamedTuple
+
 import ml_dtypes
 import numpy as np
 
@@ -40,6 +42,17 @@ DIRECTED_WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine")
 MANY_INPUT_WIRES = ("int8", "bf16", "fp32")
 #: wires that can round stochastically (rounding="stochastic")
 STOCHASTIC_WIRES = ("int8", "int4")
+
+
+class Layout(NamedTuple):
+    """Where the ranks are: the same on every rank."""
+    nodes: int                #: how many nodes (EQUARX_MPI_FAKE_NODES can fake them)
+    ranks_per_node: int       #: ranks on this rank's node
+    uniform: bool             #: every node holds the same number of ranks
+
+    @property
+    def one_node(self):
+        return self.nodes == 1
 
 
 def kernel_dtype(dtype):

@@ -15,3 +15,32 @@ def pytest_configure(config):
 # Subprocesses (mpirun in serial tests, examples) inherit both.
 os.environ.setdefault("EQUARX_MPI_ALGORITHM", "ring")
 os.environ.setdefault("EQUARX_MPI_PROFILE", "builtin")
+
+
+# Under mpirun the suite runs at 1, 2, 3, 4 and 8 ranks (run_tests.sh).
+# Every test runs at 1 and 2 ranks with all its cases.  At 3, 4 and 8 ranks
+# an unparametrized test runs whole, and each case of a parametrized test
+# runs at one of the three, chosen by a stable hash of its id (the same on
+# every rank): so every case meets an uneven split, a power of two above 2
+# or the largest size, and the default run stays within its time.
+# EQUARX_MPI_FULL=1 runs every case at every size.
+SPREAD = {3: 0, 4: 1, 8: 2}
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("EQUARX_MPI_FULL") == "1" or not config.getoption("with_mpi", False):
+        return
+    import zlib
+
+    from mpi4py import MPI
+    turn = SPREAD.get(MPI.COMM_WORLD.Get_size())
+    if turn is None:
+        return
+    keep, drop = [], []
+    for item in items:
+        here = (getattr(item, "callspec", None) is None
+                or zlib.crc32(item.nodeid.encode()) % len(SPREAD) == turn)
+        (keep if here else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep

@@ -18,8 +18,8 @@ import pytest
 from equarx_mpi import names
 from equarx_mpi.call import options, policy
 from equarx_mpi.call.validate import BFLOAT16
-from equarx_mpi.collectives.nodes import Layout
 from equarx_mpi.model import costmodel, profiles
+from equarx_mpi.names import Layout
 
 LAYOUTS = [(1, 2), (1, 3), (1, 8), (2, 1), (2, 4), (4, 2), (16, 8), (128, 8)]
 SIZES = [1 << k for k in range(6, 33)] + [3 << 20, 5000, 123457]

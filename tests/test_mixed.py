@@ -7,6 +7,9 @@ many-input kernels; and the tolerance arithmetic (tolerance.py).
 
 Serial: python -m pytest tests/test_mixed.py
 """
+import itertools
+import os
+
 import numpy as np
 import pytest
 import reference_mixed as R
@@ -85,8 +88,21 @@ def limit_of(dtype):
     return bound.out_limit(kernel_view(np.zeros(1, dtype), False).dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("block", BLOCKS)
+def _sweep(*axes):
+    """The cases of a slow reference sweep: every combination with
+    EQUARX_MPI_FULL=1, else every value of every axis at least once (the
+    longest axis in full, the others cycled along it)."""
+    if os.environ.get("EQUARX_MPI_FULL") == "1":
+        return list(itertools.product(*axes))
+    n = max(len(a) for a in axes)
+    return [tuple(a[i % len(a)] for a in axes) for i in range(n)]
+
+
+def _case_id(v):
+    return np.dtype(v).name if not isinstance(v, int) else str(v)
+
+
+@pytest.mark.parametrize("dtype, block", _sweep(DTYPES, BLOCKS), ids=_case_id)
 def test_encode_decode_against_reference(dtype, block):
     rng = np.random.default_rng(7)
     fmt = fmt_for(dtype, block)
@@ -154,8 +170,7 @@ def test_fewest_bits_for_the_budget(dtype):
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("dtype, count", _sweep(DTYPES, [1, 2, 4]), ids=_case_id)
 def test_owner_many_inputs_against_reference(dtype, count):
     """The owner's fused reduction (rank order, own raw at its place) and
     the reduce-scatter's full-precision one, on messages of every tag."""

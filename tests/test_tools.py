@@ -131,8 +131,8 @@ def test_method_words_state_the_code_defaults():
 
 def _choose(name, nodes, rpn, nbytes):
     from equarx_mpi.call import options, policy
-    from equarx_mpi.collectives.nodes import Layout
     from equarx_mpi.model import costmodel, profiles
+    from equarx_mpi.names import Layout
     o = options.resolve({"block_size": 256, **METHODS[name].options})
     m = costmodel.Model(profiles.builtin(), nodes, rpn, o["wire"], o["block_size"])
     return policy.choose(o, "Allreduce", "sum", np.dtype(np.float32), nbytes, nodes * rpn,

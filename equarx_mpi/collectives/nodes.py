@@ -1,25 +1,15 @@
 """Where the ranks are: the communicator of a rank's node, and a faked
 layout for tests (several "nodes" on one machine)."""
 import os
-from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
+from equarx_mpi.names import Layout
+
 #: Fake node layout for tests, over COMM_WORLD ranks: "2x2" is 2 nodes of 2
 #: ranks (ranks 0-1 node 0, 2-3 node 1), "3,1" nodes of 3 and 1 rank.
 FAKE_NODES_ENV = "EQUARX_MPI_FAKE_NODES"
-
-
-class Layout(NamedTuple):
-    """Where the ranks are: the same on every rank."""
-    nodes: int                #: how many nodes (EQUARX_MPI_FAKE_NODES can fake them)
-    ranks_per_node: int       #: ranks on this rank's node
-    uniform: bool             #: every node holds the same number of ranks
-
-    @property
-    def one_node(self):
-        return self.nodes == 1
 
 
 def layout(comm, node):

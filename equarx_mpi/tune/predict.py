@@ -4,6 +4,8 @@ tune check`` (against a benchmark run)."""
 import argparse
 import json
 
+import numpy as np
+
 from equarx_mpi.bench.common import (
     arg_type,
     comma_list,
@@ -13,8 +15,10 @@ from equarx_mpi.bench.common import (
     parse_size,
 )
 from equarx_mpi.bench.methods import METHODS
-from equarx_mpi.call.policy import LOSSY_MARGIN, near_fastest
+from equarx_mpi.call import options, policy
+from equarx_mpi.call.policy import LOSSY_MARGIN
 from equarx_mpi.model import costmodel, profiles
+from equarx_mpi.names import Layout
 from equarx_mpi.wire.formats import default_block
 
 LOSSY = ("ring", "two_shot", "hierarchical")
@@ -114,16 +118,35 @@ def predict(argv=None):
                 for n in a.sizes:
                     t = predict_times(profile, P // rpn, rpn, rate, a.latency, n, a.wire, block)
                     m = costmodel.Model(profile, P // rpn, rpn, a.wire, block)
-                    ok = [x for x in LOSSY if x in t
-                          and (a.accuracy is None or m.error(x) <= a.accuracy)]
-                    best = near_fastest(ok, t.get, m.error) if ok else "mpi"
-                    if t[best] * LOSSY_MARGIN > t["mpi"]:
-                        best = "mpi"
+                    best = _auto(t, m, a.wire, block, a.accuracy, P, rpn, n)
                     cell = lambda x: f"{t[x] * 1e3:9.2f}" if x in t else f"{'-':>9}"  # noqa
                     print(f" {P:6d} {rpn:4d} {rate / 1e9:5g}Gb/s {human(n):>9} {cell('mpi')} "
                           f"{cell('ring')} {cell('two_shot')} {cell('hierarchical')} "
                           f"{best:>13} {m.error(best):6.2%} {t['mpi'] / t[best]:8.2f}")
     return 0
+
+
+class _Predicted:
+    """The cost model's face to policy.choose (time, error) on times
+    predicted for a cluster that was not measured."""
+
+    def __init__(self, times, model):
+        self.times, self.model = times, model
+
+    def time(self, method, nbytes, itemsize, dtype_name="float32"):
+        return self.times[method]
+
+    def error(self, method, rounding="nearest"):
+        return self.model.error(method, rounding)
+
+
+def _auto(times, model, wire, block, accuracy, P, rpn, nbytes):
+    """What algorithm="auto" picks for a float32 SUM Allreduce with these
+    predicted times: policy.choose itself, with the library's defaults."""
+    opts = dict(options.DEFAULTS, algorithm="auto", wire=wire, block_size=block,
+                accuracy=accuracy, lossy_ops=("sum",))
+    return policy.choose(opts, "Allreduce", "sum", np.dtype(np.float32), nbytes, P,
+                         Layout(P // rpn, rpn, True), _Predicted(times, model))[0]
 
 
 def model_method(row):
