@@ -19,11 +19,12 @@ os.environ.setdefault("EQUARX_MPI_PROFILE", "builtin")
 
 # Under mpirun the suite runs at 1, 2, 3, 4 and 8 ranks (run_tests.sh).
 # Every test runs at 1 and 2 ranks with all its cases.  At 3, 4 and 8 ranks
-# an unparametrized test runs whole, and each case of a parametrized test
-# runs at one of the three, chosen by a stable hash of its id (the same on
-# every rank): so every case meets an uneven split, a power of two above 2
-# or the largest size, and the default run stays within its time.
-# EQUARX_MPI_FULL=1 runs every case at every size.
+# an unparametrized test runs whole, and the cases of a parametrized test
+# take turns: its k-th case runs at one of the three, in rotation (the same
+# on every rank: collection order is), so every test meets an uneven split,
+# a power of two above 2 and the largest size, every case one of them, and
+# the default run stays within its time.  EQUARX_MPI_FULL=1 runs every case
+# at every size.
 SPREAD = {3: 0, 4: 1, 8: 2}
 
 
@@ -36,10 +37,14 @@ def pytest_collection_modifyitems(config, items):
     turn = SPREAD.get(MPI.COMM_WORLD.Get_size())
     if turn is None:
         return
-    keep, drop = [], []
+    keep, drop, seen = [], [], {}
     for item in items:
-        here = (getattr(item, "callspec", None) is None
-                or zlib.crc32(item.nodeid.encode()) % len(SPREAD) == turn)
+        if getattr(item, "callspec", None) is None:
+            keep.append(item)
+            continue
+        fn = f"{item.path}::{item.originalname}"
+        k = seen[fn] = seen.get(fn, -1) + 1
+        here = (k + zlib.crc32(fn.encode())) % len(SPREAD) == turn
         (keep if here else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

@@ -248,3 +248,26 @@ def test_plain_wire_formats(wire):
     w[5] = np.array(np.inf, wire).view(kw)
     out = np.zeros(own.size, np.float32)
     assert K.plain_decode(w, out, 256, SKIP) == 1 and SKIP[0] == 0 and (out[:256] == 0).all() and out[300] != 0
+
+
+def test_a_fresh_checkout_keeps_what_the_first_process_compiles(tmp_path):
+    """The first import on a fresh tree (no __pycache__ yet) leaves the
+    stamp of the kernels' sources, so the next process keeps numba's cache
+    instead of dropping it (the warmup's work was lost on every fresh clone)."""
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+    src = pathlib.Path(K.__file__).resolve().parent.parent
+    shutil.copytree(src, tmp_path / "equarx_mpi",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(__import__("os").environ, PYTHONPATH=str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
+    subprocess.run([sys.executable, "-c", "import equarx_mpi.kernels"], env=env, check=True,
+                   cwd=tmp_path)
+    stamp = tmp_path / "equarx_mpi" / "kernels" / "__pycache__" / "kernels.stamp"
+    assert stamp.exists()
+    cache = stamp.parent
+    (cache / "marker.nbi").write_bytes(b"")        # stands for a compiled kernel
+    subprocess.run([sys.executable, "-c", "import equarx_mpi.kernels"], env=env, check=True,
+                   cwd=tmp_path)
+    assert (cache / "marker.nbi").exists(), "the second process dropped the cache"

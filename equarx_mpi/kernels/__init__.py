@@ -30,6 +30,9 @@ def _drop_stale_cache():
                     os.remove(os.path.join(cache, name))
                 except OSError:
                     pass
+        # the stamp needs the folder numba has not made yet on a fresh
+        # checkout: without it the next process would drop what this one compiles
+        os.makedirs(cache, exist_ok=True)
         tmp = f"{stamp}.{os.getpid()}"
         with open(tmp, "w") as f:
             f.write(digest.hexdigest())
