@@ -23,13 +23,15 @@ os.environ.setdefault("EQUARX_MPI_PROFILE", "builtin")
 # take turns: its k-th case runs at one of the three, in rotation (the same
 # on every rank: collection order is), so every test meets an uneven split,
 # a power of two above 2 and the largest size, every case one of them, and
-# the default run stays within its time.  EQUARX_MPI_FULL=1 runs every case
+# the default run stays within its time.  The faked node layouts
+# (EQUARX_MPI_FAKE_NODES) run every case.  EQUARX_MPI_FULL=1 runs every case
 # at every size.
 SPREAD = {3: 0, 4: 1, 8: 2}
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("EQUARX_MPI_FULL") == "1" or not config.getoption("with_mpi", False):
+    if (os.environ.get("EQUARX_MPI_FULL") == "1" or os.environ.get("EQUARX_MPI_FAKE_NODES")
+            or not config.getoption("with_mpi", False)):
         return
     import zlib
 

@@ -13,8 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import equarx_mpi
-from equarx_mpi import ErrorFeedback, QuantizedComm
-from equarx_mpi import wrapping as wrap
+from equarx_mpi import ErrorFeedback, QuantizedComm, wrap
 
 tree = os.path.realpath(sys.argv[1])
 where = os.path.realpath(equarx_mpi.__file__)
