@@ -170,3 +170,18 @@ def test_every_document_is_reachable_from_the_readme():
 def test_readme_is_short():
     n = len(_text(README).splitlines())
     assert n <= MAX_README_LINES, f"README.md has {n} lines (at most {MAX_README_LINES})"
+
+
+def test_every_option_is_explained_in_options_md():
+    """docs/OPTIONS.md is the one place options are explained: each option
+    of the code (and its environment variable) is there, and nothing it
+    names as an option is unknown to the code."""
+    from equarx_mpi.call import options
+    text = (ROOT / "docs" / "OPTIONS.md").read_text()
+    for name in options.DEFAULTS:
+        assert f"`{name}" in text, f"option {name!r} is not explained in docs/OPTIONS.md"
+        assert f"EQUARX_MPI_{name.upper()}" in text, f"EQUARX_MPI_{name.upper()} is not there"
+    named = set(re.findall(r"EQUARX_MPI_([A-Z_]+)", text))
+    known = {n.upper() for n in options.DEFAULTS} | {"DISABLE", "LOG", "PROFILE",
+                                                      "ABORT_ON_EXCEPTION", "FAKE_NODES"}
+    assert named <= known | {"FULL", "LARGE", "PROPERTY_CASES", "HYPOTHESIS_CASES"}, named - known

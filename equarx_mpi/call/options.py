@@ -11,61 +11,9 @@ makes every call take the exact MPI collective, whatever the code asks;
 ``EQUARX_MPI_PROFILE=path`` names the profile algorithm="auto" decides
 with (costmodel.py).
 
-The options:
-
-wire: "int8" (dynamic block-wise int8, the product); "int4" (half the
-    bytes, about 15x the error), "fp8" (e4m3 codes), "int8-affine" and
-    "int4-affine" (codes between each block's minimum and maximum, for
-    data with an offset; docs/FORMAT.md); or the uncompressed baselines
-    "bf16" (bfloat16; float16 input travels as float16) and "fp32".
-    ``bits=4/8/16/32`` is the older spelling.
-block_size: values per block, a power of two from 32 to 4096; None (the
-    default): the wire's own, 256 (int4 64, int4-affine 128).
-algorithm: "auto" (the default: per call, the method the cost model
-    predicts fastest among those ``accuracy`` and the call allow; a
-    profile measured by ``python -m equarx_mpi.tune``, or the built-in
-    one: docs/TUNING.md), "ring" (pipelined reduce-scatter + all-gather,
-    a value is quantized P times), "two_shot" (every shard sent to its
-    owner, reduced there at full precision and all-gathered: twice at
-    most; wires int8, bf16 and fp32), "hierarchical" (exact inside each
-    node through a shared window, quantized between nodes: error of the
-    node count; Allreduce across nodes of equal size, the halves use the
-    ring), "shm" (exact, through a shared window, when all ranks share
-    a node) or "mpi" (always MPI's own collective).
-accuracy: the error the caller accepts: None (the default: what the
-    wire gives), "exact" (only exact methods), or the largest relative
-    L2 error on standard-normal data (0.01 = 1%) by costmodel.error; a
-    quantized method predicted above it is never taken, by any
-    algorithm: the call is exact instead.
-chunks: pieces per shard for pipelining; None: one piece when all ranks
-    share a node, else about 256 KiB of input per piece (at most 8).
-min_quantized_bytes: messages smaller than this (bytes per rank; for the
-    two halves, the P*m-value buffer) use an exact method; None takes
-    the measured default: 4 MiB on one node, 256 KiB across nodes, and
-    under "auto" the cost model's crossover (``crossover()``).
-lossy_ops: the reductions that may travel quantized, from "sum", "max",
-    "min"; default ("sum",): MAX and MIN are exact unless named here,
-    and then MAX is never below (MIN never above) the true result.
-lossy_allgather: whether a wrapped communicator's Allgather may travel
-    quantized (default False; QuantizedComm.Allgather, an explicit
-    request, always may).
-check: agree on every call's arguments across ranks first (one tiny
-    Allreduce), so mismatched or bad calls raise the same error
-    everywhere instead of hanging.  Turn off only if the caller
-    guarantees consistent calls.
-max_message_bytes: split messages above this size.
-rounding: how SUM's codes round: "nearest" (the default) or "stochastic"
-    (unbiased: up with the probability of the remainder, wires int8 and
-    int4; reproducible from ``seed``, the call count and the rank:
-    docs/FORMAT.md "Stochastic rounding").
-seed: the stochastic rounding's seed (an integer; default 0).
-abs_tol, rel_tol: the error-bounded mode (tolerance.py, docs/ERROR.md
-    section 8): a float SUM's certified bound (last_error_bound) never
-    exceeds abs_tol, or rel_tol times M, the largest magnitude of any
-    finite input value on any rank of the call; each block travels in the
-    fewest bits that keep it (wire "mixed", algorithm "two_shot" unless
-    "mpi" or "shm" is named; "auto" means "two_shot" here).  A tolerance finer than the float additions
-    and the output type allow raises ValueError on every rank.
+What each option means, its environment variable and its default:
+docs/OPTIONS.md (the one place they are explained); DEFAULTS below is the
+code's side of it, and tests/test_docs.py checks the two agree.
 """
 import math
 import os
