@@ -1,0 +1,3 @@
+"""The certified error bound (bound.py: MPI's summation bound, the trailers'
+bookkeeping, per-block records) and the error-bounded mode's budget
+(tolerance.py).  Arithmetic only: no messages."""
