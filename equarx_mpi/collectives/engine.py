@@ -162,6 +162,6 @@ class Engine:
         tally = bound.Tally(fmt, own.dtype, name == "sum", rmode, e_own)
         if feedback is not None:
             fmt = feedback.format(fmt, own, out)
-        ranges = schedule.run(self.comm, plan, fmt, own, out, KERNEL_OP[name], rmode,
-                              own_offset, out_offset, tally)
+        ranges = schedule.run(self.comm, plan, fmt, own, out, KERNEL_OP[name], rmode, tally,
+                              own_offset, out_offset)
         return ranges, tally

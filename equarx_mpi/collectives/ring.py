@@ -72,20 +72,20 @@ class Plan:
                          for k in range(P - 1)] if ag else []
 
 
-def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0, tally=None):
+def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0):
     """Execute ``plan``.  own is the read-only input and out the output (kernel
     views); own[i] is global element i + own_offset, out[i] is i + out_offset.
     Returns the global (lo, hi) ranges of the blocks the final decodes
     skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
-    (a bound.Tally) keeps the error bound; None skips that bookkeeping."""
+    (a bound.Tally) keeps the error bound."""
     try:
-        return _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally)
+        return _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset)
     except BaseException as exc:
         fail(comm, exc)
         raise
 
 
-def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
+def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
     P = plan.P
     left, right = (plan.rank - 1) % P, (plan.rank + 1) % P
     recvs = [comm.Irecv(p.buf, left, TAG)
@@ -100,8 +100,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
 
     for p in plan.rs_first:
         fmt.encode(own[p.lo:p.hi], p.w, rmode)
-        if tally:
-            tally.start(p)
+        tally.start(p)
         sends.append(comm.Isend(p.buf, right, TAG))
     for k, step in enumerate(plan.rs_steps):
         last = k == P - 2
@@ -111,27 +110,23 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
             e_in = float(p.t[1])     # before the payload is rewritten in place
             if not last:
                 fmt.decode_reduce_encode(mine, p.w, p.w, op, rmode)
-                if tally:
-                    tally.hop(e_in, p)
+                tally.hop(e_in, p)
                 sends.append(comm.Isend(p.buf, right, TAG))
             elif plan.kind == "reduce_scatter":
                 res = out[p.lo - out_offset:p.hi - out_offset]
                 skipped = fmt.decode_reduce(mine, p.w, res, op)
-                if tally:
-                    tally.result(p.lo, p.hi, res, skipped, fmt.block, e_in=e_in)
+                tally.result(p.lo, p.hi, res, skipped, fmt.block, e_in=e_in)
                 flagged.extend(block_ranges(p, skipped, fmt.block))
             else:
                 q = plan.ag_own[j]
                 fmt.decode_reduce_encode(mine, p.w, q.w, op, rmode)
-                if tally:
-                    tally.hop(e_in, q, final=True)
+                tally.hop(e_in, q, final=True)
                 sends.append(comm.Isend(q.buf, right, TAG))
                 decode(q, out[q.lo:q.hi])
     if plan.kind == "allgather":
         for q in plan.ag_own:
             fmt.encode(own[q.lo - own_offset:q.hi - own_offset], q.w, rmode)
-            if tally:
-                tally.start(q, final=True)
+            tally.start(q, final=True)
             sends.append(comm.Isend(q.buf, right, TAG))
             decode(q, out[q.lo:q.hi])
     for k, step in enumerate(plan.ag_steps):
@@ -139,8 +134,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
             next(nxt).Wait()
             if k < P - 2:
                 sends.append(comm.Isend(p.buf, right, TAG))
-            if tally:
-                tally.final.append(p)
+            tally.final.append(p)
             decode(p, out[p.lo:p.hi])
     MPI.Request.Waitall(sends)
     return flagged

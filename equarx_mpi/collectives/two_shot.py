@@ -104,21 +104,21 @@ class Plan:
                         for c in cuts[(rank - k - 1) % P]] if ag else []
 
 
-def run(comm, plan, fmt, own, out, op, rmode, own_offset=0, out_offset=0, tally=None):
+def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0):
     """Execute ``plan``.  own is the read-only input and out the output (kernel
     views); own[i] is global element i + own_offset, out[i] is i + out_offset.
     Returns the global (lo, hi) ranges of the blocks the final decodes
     skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
     (a bound.Tally) keeps the error bound, carried in every message's
-    trailer as in ring.py; None skips that bookkeeping."""
+    trailer as in ring.py."""
     try:
-        return _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally)
+        return _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset)
     except BaseException as exc:
         fail(comm, exc)
         raise
 
 
-def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
+def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
     P, r = plan.P, plan.rank
     left, right = (r - 1) % P, (r + 1) % P
     scattered = [[comm.Irecv(buf, q, TAG_SCATTER) for q, buf in st.parts]
@@ -131,8 +131,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
         # before any decode writes other shards into out (own, in place).
         for dest, p in plan.sends[j] if j < len(plan.sends) else ():
             fmt.encode(own[p.lo - own_offset:p.hi - own_offset], p.w, rmode)
-            if tally:
-                tally.start(p)
+            tally.start(p)
             sends.append(comm.Isend(fmt.message(p.buf), dest, TAG_SCATTER))
 
     def decode(p):
@@ -156,14 +155,12 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
         if plan.kind == "reduce_scatter":
             res = out[st.lo - out_offset:st.hi - out_offset]
             skipped = fmt.decode_reduce_many(mine, r, st.w, res, op)
-            if tally:
-                tally.result(st.lo, st.hi, res, skipped, fmt.block, trailers=st.ts)
+            tally.result(st.lo, st.hi, res, skipped, fmt.block, trailers=st.ts)
             flagged.extend(block_ranges(st, skipped, fmt.block))
             continue
         q = plan.own[j]
         fmt.decode_reduce_encode_many(mine, r, st.w, q.w, op, rmode)
-        if tally:
-            tally.many(st.ts, q, final=True)
+        tally.many(st.ts, q, final=True)
         sends.append(comm.Isend(fmt.message(q.buf), right, TAG_GATHER))
         decode(q)
     for (k, p), req in zip(plan.gathers, gathered):
@@ -171,8 +168,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, own_offset, out_offset, tally):
         fmt.received(p.buf)
         if k < P - 2:
             sends.append(comm.Isend(fmt.message(p.buf), right, TAG_GATHER))
-        if tally:
-            tally.final.append(p)
+        tally.final.append(p)
         decode(p)
     MPI.Request.Waitall(sends)
     return flagged
