@@ -4,8 +4,9 @@
 # (ruff), fills numba's cache, then runs the serial tests (two at a time),
 # the MPI suites at 1, 2, 3, 4 and 8 ranks (every case at 1 and 2, each
 # case of a parametrized test at one of 3, 4 and 8: tests/conftest.py),
-# the node-aware schedules on faked layouts, mpi4py's own collective buffer
-# tests through equarx_mpi.wrap at 1-4, and the built wheel, installed
+# the node-aware schedules on faked layouts, mpi4py's own test suite
+# through equarx_mpi.wrap at 1, 2 and 4 ranks, a real client's suite
+# (tests/client_suite.py) through wrap at 2, and the built wheel, installed
 # outside the tree, under mpirun.
 # Every mpirun has a time limit, so a hang fails instead of stalling.
 # Exits non-zero on any failure.
@@ -104,15 +105,23 @@ for layout in ${LAYOUTS:-2x2 2x3 4x2}; do
         tests/test_mpi_nonfinite.py::test_hierarchical_nonfinite_blocks_are_mpis
 done
 
-# --- mpi4py's own collective buffer tests, their communicator wrapped -----------------
+# --- mpi4py's own test suite, its communicators wrapped -------------------------------
 # test/ of the installed mpi4py's sdist, downloaded once (MPI4PY_SDIST_CACHE
-# moves it); tests/mpi4py_suite.py replaces MPI.COMM_WORLD/COMM_SELF by
-# equarx_mpi.wrap() of themselves and runs test_cco_buf.py and
-# test_cco_nb_buf.py unchanged: with the defaults at 1-4 ranks, and with
-# every float SUM quantized (--quantized) at 2-4.
+# moves it); tests/mpi4py_suite.py runs its modules unchanged (not those that
+# spawn processes) in one process per rank, MPI.COMM_WORLD/COMM_SELF replaced
+# by equarx_mpi.wrap() of themselves, and fails on any failure (the plain run
+# passes here; where it does not: --plain --record F, then --baseline F).
+# At 1 rank every module but M4_NO_COMM (no communicator in them: the same
+# wrapped or not); at 2 also not M4_HANDLE_ONLY, which only hand a
+# communicator's handle to MPI (files, packing; test_io alone took a third of
+# a 2-rank run); at 4 the modules that reduce (--reducing) and the
+# communicator ones; at 2 the modules that reduce once more with every float
+# SUM quantized (--quantized).  All of them pass at 1, 2 and 4 ranks.
 M4_VERSION=$("$PY" -c "import mpi4py; print(mpi4py.__version__)")
 M4_CACHE=${MPI4PY_SDIST_CACHE:-$VENV/mpi4py-sdist}
 M4_TESTS=$M4_CACHE/mpi4py-$M4_VERSION/test
+M4_NO_COMM=test_util_dtlib,test_datatype
+M4_HANDLE_ONLY=test_io,test_pack
 if [ ! -f "$M4_TESTS/test_cco_nb_buf.py" ]; then
     echo "# downloading mpi4py $M4_VERSION's sdist (for its test suite) into $M4_CACHE"
     mkdir -p "$M4_CACHE"
@@ -120,19 +129,63 @@ if [ ! -f "$M4_TESTS/test_cco_nb_buf.py" ]; then
                "mpi4py==$M4_VERSION" \
            && tar -xzf "$M4_CACHE/mpi4py-$M4_VERSION.tar.gz" -C "$M4_CACHE" \
                "mpi4py-$M4_VERSION/test"; }; then
-        echo "# FAILED: cannot obtain mpi4py $M4_VERSION's sdist: its collective tests did not run"
+        echo "# FAILED: cannot obtain mpi4py $M4_VERSION's sdist: its test suite did not run"
         status=1
     fi
 fi
 if [ -f "$M4_TESTS/test_cco_nb_buf.py" ]; then
+    M4=("$PY" tests/mpi4py_suite.py "$M4_TESTS")
     for n in $RANKS; do
-        [ "$n" -le 4 ] || continue
-        run_ranks "$n" "mpi4py $M4_VERSION test_cco_buf, test_cco_nb_buf through wrap, $n rank(s)" \
-            "$PY" tests/mpi4py_suite.py "$M4_TESTS"
-        [ "$n" -ge 2 ] || continue
-        run_ranks "$n" "the same, every float SUM quantized, $n ranks" \
-            "$PY" tests/mpi4py_suite.py "$M4_TESTS" --quantized
+        case $n in
+            1) run_ranks 1 "mpi4py $M4_VERSION's test suite through wrap, 1 rank" \
+                   "${M4[@]}" --skip "$M4_NO_COMM" ;;
+            2) run_ranks 2 "mpi4py $M4_VERSION's test suite through wrap, 2 ranks" \
+                   "${M4[@]}" --skip "$M4_NO_COMM,$M4_HANDLE_ONLY" ;;
+            4) run_ranks 4 "mpi4py $M4_VERSION's reducing and communicator tests through wrap, 4 ranks" \
+                   "${M4[@]}" --reducing --modules test_comm,test_comm_topo,test_objmodel ;;
+        esac
+        if [ "$n" = 2 ]; then
+            run_ranks 2 "mpi4py $M4_VERSION's reducing tests, every float SUM quantized, 2 ranks" \
+                "${M4[@]}" --reducing --quantized
+        fi
     done
+fi
+
+# --- a real client through wrap(): pylops-mpi's own tests -------------------------------
+# pylops-mpi (pinned, with the pylops and pyproximal it was released with)
+# installed into the venv, tests/ of its sdist downloaded once
+# (CLIENT_SDIST_CACHE moves it).  tests/client_suite.py runs a part of its
+# suite at 2 ranks three times: plain, with MPI.COMM_WORLD wrapped (defaults:
+# no failure the plain run lacks) and with every float SUM int8 (failures
+# only those tests/client_int8.txt lists).  docs/CLIENT.md: the whole suite.
+CL_VERSION=0.8.0
+CL_PINS=("pylops-mpi==$CL_VERSION" "pylops==2.8.0" "pyproximal==0.13.0")
+CL_CACHE=${CLIENT_SDIST_CACHE:-$VENV/client-sdist}
+CL_TESTS=$CL_CACHE/pylops_mpi-$CL_VERSION/tests
+# (their largest array-creation cases, about a third of the time, reduce nothing)
+CL_SELECT=(test_distributedarray.py test_linearop.py test_stack.py test_matrixmult.py
+           test_fredholm.py -k "not test_creation and not test_local_shapes")
+if ! "$PY" -c "import pylops_mpi, pyproximal, sys; sys.exit(pylops_mpi.__version__ != '$CL_VERSION')" 2>/dev/null; then
+    echo "# installing ${CL_PINS[*]} into $VENV"
+    "$VENV/bin/pip" install -q "${CL_PINS[@]}" || true
+fi
+if [ ! -f "$CL_TESTS/test_solver.py" ]; then
+    echo "# downloading pylops-mpi $CL_VERSION's sdist (for its test suite) into $CL_CACHE"
+    mkdir -p "$CL_CACHE"
+    "$VENV/bin/pip" download -q --no-binary :all: --no-deps -d "$CL_CACHE" "pylops-mpi==$CL_VERSION" \
+        && tar -xzf "$CL_CACHE/pylops_mpi-$CL_VERSION.tar.gz" -C "$CL_CACHE" \
+            "pylops_mpi-$CL_VERSION/tests" || true
+fi
+if [ -f "$CL_TESTS/test_solver.py" ] && "$PY" -c "import pylops_mpi" 2>/dev/null; then
+    CL_OUT=$(mktemp -d)
+    for mode in plain defaults quantized; do
+        run_ranks 2 "pylops-mpi $CL_VERSION's tests ($mode), 2 ranks" \
+            "$PY" tests/client_suite.py "$CL_TESTS" --mode "$mode" --out "$CL_OUT" "${CL_SELECT[@]}"
+    done
+    rm -rf "$CL_OUT"
+else
+    echo "# FAILED: cannot install pylops-mpi $CL_VERSION or obtain its sdist: the client suite did not run"
+    status=1
 fi
 
 # --- the package as users install it: the wheel, outside the source tree -----------

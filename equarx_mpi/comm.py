@@ -5,9 +5,10 @@ the method's runner (_RUN) runs a schedule (collectives/engine.py), the
 shared window (collectives/shm.py) or MPI's own (collectives/exact.py), in
 the caller's thread or, for nonblocking and persistent calls, in the
 progress thread (call/nonblocking.py)."""
-import math
+import contextlib
 import os
-import time
+import sys
+from time import perf_counter
 
 import numpy as np
 from mpi4py import MPI
@@ -17,18 +18,22 @@ from equarx_mpi.call import options, plan, policy
 from equarx_mpi.call.agree import abort_on_exception, agree, raise_agreed
 from equarx_mpi.call.buffers import OPAQUE
 from equarx_mpi.call.nonblocking import FREED, Executor, PersistentRequest
+from equarx_mpi.call.plans import Plan, signature
 from equarx_mpi.call.records import Call, CallInfo, Ledger, Stats, uncompressed_bytes  # noqa: F401 (public here)
 from equarx_mpi.call.validate import check_buffers, op_name
 from equarx_mpi.collectives import exact
 from equarx_mpi.collectives.counting import Counting
 from equarx_mpi.collectives.engine import Engine
-from equarx_mpi.collectives.nodes import in_turn, layout, split_nodes
+from equarx_mpi.collectives.nodes import layout, split_nodes
 from equarx_mpi.feedback import check as feedback_error
 from equarx_mpi.model import costmodel, profiles
-from equarx_mpi.names import BFLOAT16, between_nodes
+from equarx_mpi.names import BFLOAT16
+from equarx_mpi.running import Running
+
+_IN_PLACE = MPI.IN_PLACE
 
 
-class QuantizedComm:
+class QuantizedComm(Running):
     """AllReduce and its halves on ``comm``, sending block-quantized data.
 
     Collective: every rank of ``comm`` creates it with the same options.
@@ -45,11 +50,12 @@ class QuantizedComm:
     means and its default: docs/OPTIONS.md.
 
     After each call ``last_call`` (a CallInfo) says which path it took, what
-    it sent and how long it ran; ``stats`` (a Stats) sums all calls.  With
-    EQUARX_MPI_LOG=1 rank 0 logs every call's decision on stderr.
-    ``last_error_bound`` certifies the last result: |result - exact| never
-    exceeds it on a finite result value; ``block_bounds()`` gives it per
-    block (docs/ERROR.md).
+    it sent and how long it ran; ``stats`` (a Stats) sums all calls.  Rank 0
+    logs on stderr each kind of call the first time it travels lossy
+    (EQUARX_MPI_LOG=1: every call; 0: none).  ``with comm.exact():`` keeps
+    the calls inside exact.  ``last_error_bound`` certifies the last result:
+    |result - exact| never exceeds it on a finite result value;
+    ``block_bounds()`` gives it per block (docs/ERROR.md).
     """
 
     def __init__(self, comm, **opts):
@@ -80,9 +86,10 @@ class QuantizedComm:
         # agrees on a new call while the progress thread may be running
         # earlier ones on _comm.
         self._ctl = self._comm.Dup()
+        # one rank per node compiles a kernel first, the others then load it
+        # (engine.py); nothing is compiled before a call needs it
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         compile_first = local.Get_rank() == 0
-        in_turn(compile_first, local, bound.warm)
         local.Free()
         node = split_nodes(self._comm)      # the real node, or a faked layout
         #: where the ranks are (the same on every rank)
@@ -97,14 +104,18 @@ class QuantizedComm:
         # P // nodes, not this node's size: the same on every rank
         model = costmodel.Model(self.profile, self.layout.nodes, P // self.layout.nodes,
                                 o["wire"], o["block_size"], o["chunks"])
-        self._choose = policy.Chooser(o, P, self.layout, model)
+        log = options.logging() if self._comm.Get_rank() == 0 else "none"
+        self._choose = policy.Chooser(o, P, self.layout, model,
+                                      _tell_lossy if log == "lossy" else None)
         self._engine = Engine(self._comm, o, self.one_node, compile_first)
         self._compile_first = compile_first
         self._shm = self._hier = self._between = None    # made on first use (collective)
         self._size = self._comm.Get_size()
-        self._ledger = Ledger(self._size, options.logging() and self._comm.Get_rank() == 0)
+        self._ledger = Ledger(self._size, log)
         self._record = self._ledger.note
         self._exec = Executor()
+        self._exact = 0       # depth of exact() blocks
+        self._plans = self._ledger.plans      # signature -> Plan (call/plans.py)
 
     @property
     def stats(self):
@@ -150,6 +161,7 @@ class QuantizedComm:
         communicators and workspace."""
         if self._comm is not None:
             self._exec.close()
+            self._ledger.forget_plans()
             for part in (self._shm, self._between, self._hier):
                 if part is not None:
                     part.free()
@@ -164,6 +176,17 @@ class QuantizedComm:
     def __exit__(self, *exc):
         self.free()
 
+    @contextlib.contextmanager
+    def exact(self):
+        """``with comm.exact(): ...``: every call inside is exact (as with
+        accuracy="exact"), whatever the options.  Local: every rank enters
+        it around the same calls."""
+        self._exact += 1
+        try:
+            yield self
+        finally:
+            self._exact -= 1
+
     # --- public collectives ---------------------------------------------------
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM, feedback=None):
         """recvbuf = op over ranks of sendbuf.  ``MPI.IN_PLACE`` as sendbuf (or
@@ -171,8 +194,42 @@ class QuantizedComm:
         ``feedback``: an ErrorFeedback (op SUM; ring or two_shot), whose
         residual joins this rank's input and takes up what this call's
         quantizations lose (feedback.py)."""
-        self._exec.run(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op,
-                                                    feedback=feedback))
+        if feedback is None:
+            key = signature(sendbuf, recvbuf, op, self._exact)
+            p = self._plans.get(key)
+            if p is not None:
+                return self._run_plan(p, sendbuf, recvbuf, op)
+            c = self._prepare("Allreduce", sendbuf, recvbuf, op)
+            self._keep(key, c)
+        else:
+            c = self._prepare("Allreduce", sendbuf, recvbuf, op, feedback=feedback)
+        self._exec.run(self._execute, c)
+
+    def _run_plan(self, p, sendbuf, recvbuf, op):
+        """A repeated call that is MPI's own: just that, and its tally."""
+        if self._exec._pending:
+            self._exec.drain()
+        t0 = perf_counter()
+        if p.copy:
+            if not p.in_place:
+                recvbuf[...] = sendbuf
+        else:
+            self._comm.Allreduce(_IN_PLACE if p.in_place else sendbuf, recvbuf, op)
+        p.last = t = perf_counter() - t0
+        p.calls += 1
+        p.seconds += t
+        self._ledger._last = p
+
+    def _keep(self, key, c, by_mpi=False):
+        """Remember c's plan under signature ``key`` if it is MPI's own
+        collective (or a copy) with nothing to agree or compute per call;
+        ``by_mpi``: a wrapped communicator's, which MPI runs (also a copy)."""
+        if key is not None and c.direct and c.recv.dtype not in exact.UPCAST_DTYPES:
+            sent = uncompressed_bytes(c.what, c.nbytes, self._size)
+            info = self._info(c, 0, sent, 0.0, c.bound)
+            if by_mpi:
+                c.method, info = "mpi", info._replace(method="mpi")
+            self._ledger.keep(key, Plan(c, info, sent, self._ledger.blocks_of(c, info)))
 
     def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         """Nonblocking Allreduce: returns a request (an MPI.Grequest: Wait,
@@ -229,19 +286,22 @@ class QuantizedComm:
     # --- internals --------------------------------------------------------------
     def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False, persistent=False,
                  feedback=None):
-        """A Call: the arguments checked and agreed across ranks, the
-        method chosen, and where its error bound comes from (call/plan.py).
-        With opaque_ok (a wrapped communicator) a buffer only MPI can read
-        gives a Call with recv OPAQUE, for MPI to run unchanged, and auto's
-        exact calls are MPI's own (policy.choose's ``wrapped``);
-        ``persistent``: the values come when each Start() runs."""
+        """A Call: the arguments checked and, with check=True, agreed across
+        ranks unless it is MPI's own collective with nothing to agree
+        (docs/ROBUSTNESS.md), the method chosen, and where its error bound
+        comes from (call/plan.py).  With opaque_ok (a wrapped communicator)
+        a buffer only MPI can read gives a Call with recv OPAQUE, for MPI to
+        run unchanged, and auto's exact calls are MPI's own (policy.choose's
+        ``wrapped``); ``persistent``: the values come when each Start() runs."""
         if self._comm is None:
             raise ValueError(FREED)
         P = self._size
         send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok)
         name = "sum" if what == "Allgather" else (
             op_name(op) if isinstance(op, MPI.Op) else None)
-        known = err is None and recv is not OPAQUE
+        if err is not None:
+            self._refuse(what, name, recv, meta, err, feedback is not None, opaque_ok)
+        known = recv is not OPAQUE
         nbytes = dict(meta)["count"] * recv.dtype.itemsize if known else 0
         if not known:
             method, reason = "mpi", "device memory or a derived datatype: MPI unchanged"
@@ -249,7 +309,7 @@ class QuantizedComm:
             method, reason = ("copy" if P == 1 else "mpi"), "empty message"
         else:
             method, reason = self._choose(what, name, recv.dtype, nbytes,
-                                          feedback is not None, opaque_ok)
+                                          feedback is not None, opaque_ok, self._exact > 0)
         if feedback is not None and err is None:
             err = feedback_error(feedback, name, recv, method)
         dtype = recv.dtype if known and err is None else None
@@ -257,17 +317,21 @@ class QuantizedComm:
         tolerant = bool(self._tolerant and nbytes and exact.sums_floats(what, name, dtype, P))
         if tolerant and later and err is None:
             err = ValueError(tolerance.NOT_PERSISTENT)
-        source = plan.bound_source(what, name, dtype, P, method, nbytes, later, self.check,
+        source = plan.bound_source(what, name, dtype, P, method, nbytes, later,
+                                   self.check and self.options["exact_bounds"],
                                    feedback is not None, tolerant)
         most = None
         if (source == plan.AGREED or tolerant) and self.check:
             most = exact.largest(recv if send is None else send)
         meta = meta + [("feedback", int(feedback is not None))]
-        if self.check:   # the method too: EQUARX_MPI_DISABLE could differ between ranks
+        c = Call(what, send, recv, op, name, method, reason, nbytes, source, feedback)
+        c.direct = method in ("mpi", "copy") and source in (plan.FIXED, plan.UNKNOWN) \
+            and feedback is None
+        # MPI's own path agrees on nothing: a rank that kept its plan does not either
+        if self.check and (err is not None or not c.direct):
             most = agree(self._ctl, what, meta + [("method", method)], err, most)
         elif err is not None:
             raise err
-        c = Call(what, send, recv, op, name, method, reason, nbytes, source, feedback)
         if tolerant:          # check=False: its own 8-byte MAX Allreduce finds M
             most = plan.settle(self.options, c, P, most, self._ctl)
         if c.bound is None and c.bound_from in plan.WHEN_PREPARED:
@@ -275,128 +339,31 @@ class QuantizedComm:
                                                                          most)
         return c
 
+    def _refuse(self, what, name, recv, meta, err, feedback, opaque_ok):
+        """Raise ``err``, an argument error found on this rank: on every rank
+        (agreed, check=True) if the call would have taken the library's own
+        path, where the others agree too; else here, as mpi4py does, since
+        on MPI's own path they agree on nothing (docs/ROBUSTNESS.md)."""
+        ours = feedback or self._tolerant or self.options["exact_bounds"]
+        if not ours and recv is not None and recv.size and name is not None and self._size > 1:
+            ours = self._choose(what, name, recv.dtype, recv.nbytes, False, opaque_ok,
+                                self._exact > 0)[0] not in ("mpi", "copy")
+        if self.check and ours:
+            agree(self._ctl, what, meta + [("feedback", int(feedback)), ("method", "?")], err)
+        raise err
+
     def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
         """The smallest message (bytes per rank) from which calls of this
         kind are quantized, or None if none up to ``upto`` is (local: no
         communication; every rank answers alike)."""
         return self._choose.crossover(what, op_name(op), np.dtype(dtype), upto)
 
-    def _execute(self, c):
-        """Run a prepared call on the library's communicator; its CallInfo."""
-        fb = c.feedback
-        if fb is None:
-            return self._run(c)
-        # the residual joins the input (not in place any more: the caller's
-        # values stay as they are until the result lands in recv); the bound
-        # still holds against the caller's values: each rank's input moved
-        # by at most e_own
-        own = c.recv if c.send is None else c.send
-        info = self._run(c.with_input(fb.begin(own)), fb.moved(own))
-        fb.end(c.recv)
-        return info
 
-    def _run(self, c, e_own=0.0):
-        """_execute without the feedback's part: the method's runner (_RUN);
-        ``e_own`` bounds how far this rank's values are from the caller's."""
-        t0 = time.perf_counter()
-        comms = (self._comm,) + ((self._hierarchy()[0].inter,)
-                                 if c.method == "hierarchical" else ())
-        sent0, polite = sum(m.sent for m in comms), self._exec.in_thread()
-        for m in comms:
-            m.polite = polite
-        fixed, err, rec = _RUN[c.method](self, c, e_own)
-        sent = sum(m.sent for m in comms) - sent0 if c.quantize else \
-            uncompressed_bytes(c.what, c.nbytes, self._size)
-        return self._record(c, CallInfo(c.what, c.method, self.wire if c.quantize else None,
-                                        c.reason, fixed, sent, time.perf_counter() - t0, err),
-                            rec)
+def _tell_lossy(shape, method, reason):
+    """The log line of a kind of call's first lossy decision (rank 0)."""
+    what, opname, dtype, nbytes = shape[:4]
+    sys.stderr.write(f"equarx_mpi: {what} of {nbytes} B {np.dtype(dtype).name} "
+                     f"{opname.upper()} travels lossy: {method} ({reason}); "
+                     f"comm.exact() or accuracy='exact' keeps it exact, "
+                     f"EQUARX_MPI_LOG=0 silences this\n")
 
-    # --- the runners, one per method: (values fixed up, bound, bound.Record) -----
-    def _exact_bound(self, c, e_own):
-        """An exact call's bound, before it runs (it may overwrite its input)."""
-        if c.bound_from == plan.AT_RUN:
-            return exact.bound_now(self._comm, c.what, c.name, c.send, c.recv, e_own)
-        return c.bound
-
-    def _copy(self, c, e_own):
-        if c.send is not None:
-            c.recv[...] = c.send
-        return 0, self._exact_bound(c, e_own), None
-
-    def _mpi(self, c, e_own):
-        err = self._exact_bound(c, e_own)
-        if c.what == "Allgather":
-            exact.gather(self._comm, c.send, c.recv)
-        else:
-            exact.collective(self._comm, c.what, c.send, c.recv, c.op)
-        return 0, err, None
-
-    def _shm(self, c, e_own):
-        err = self._exact_bound(c, e_own)
-        most = self._window().allreduce(c.send, c.recv, c.op)
-        if c.bound_from == plan.WINDOW:
-            err = exact.error_bound(c.what, c.name, c.recv.dtype, self._size, most)
-        return 0, err, None
-
-    def _schedule(self, c, e_own):
-        """The ring or two-shot: the engine, with the call's budget."""
-        e = self._engine
-        e.budget = c.budget
-        if c.what == "Allgather":
-            got = e.allgather(c.send, c.recv)
-        elif c.what == "Reduce_scatter_block":
-            got = e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op)
-        else:
-            got = e.allreduce(c.method, c.send, c.recv, c.name, c.op, e_own, c.feedback)
-        return got + (e.record,)
-
-    def _hierarchical(self, c, e_own):
-        self._engine.budget = c.budget
-        hier, between = self._hierarchy()
-        B = self.block_size
-
-        def across(comm, mine, e_own):
-            # flagged blocks are left to the hierarchy: MPI reduces them from
-            # every rank's input, not from the node results
-            return between.allreduce(between_nodes(self.wire), None,
-                                     mine.reshape(-1), c.name, c.op, e_own, fix_up=False)
-        err, slices, fixed = hier.allreduce(c.recv if c.send is None else c.send, c.recv, c.op,
-                                            across, B)
-        rec = bound.Record(c.recv.size, B, [(lo, hi, np.full(-(-(hi - lo) // B), b))
-                                            for lo, hi, b in slices if hi > lo])
-        return fixed, err, rec
-
-    def _timed(self, c, fn):
-        """fn(): MPI's own call for c, made by a wrapped communicator with
-        the caller's arguments (or a nonblocking one started); recorded like
-        any call, after the calls queued before it, so that last_call is the
-        last call made once they finish."""
-        t0 = time.perf_counter()
-        result = fn()
-        info = CallInfo(c.what, "mpi", None, c.reason, 0,
-                        uncompressed_bytes(c.what, c.nbytes, self._size),
-                        time.perf_counter() - t0, math.inf if c.bound is None else c.bound)
-        self._exec.note(lambda i: self._record(c, i), info)
-        return result
-
-    def _window(self):
-        """The shared window of the exact one-node method (made on first use)."""
-        if self._shm is None:
-            from equarx_mpi.collectives.shm import ShmAllreduce
-            self._shm = ShmAllreduce(self._comm)
-        return self._shm
-
-    def _hierarchy(self):
-        """The node-aware schedule and the engine between nodes (made on
-        first use)."""
-        if self._hier is None:
-            from equarx_mpi.collectives.hierarchical import Hierarchy
-            self._hier = Hierarchy(self._comm)
-            self._between = Engine(self._hier.inter, self.options, False, self._compile_first)
-        return self._hier, self._between
-
-
-#: method -> its runner
-_RUN = {"copy": QuantizedComm._copy, "mpi": QuantizedComm._mpi, "shm": QuantizedComm._shm,
-        "ring": QuantizedComm._schedule, "two_shot": QuantizedComm._schedule,
-        "hierarchical": QuantizedComm._hierarchical}

@@ -3,12 +3,15 @@
     python -m equarx_mpi.warmup          # or equarx_mpi.warmup() in Python
 
 The kernels are compiled by numba on first use and cached on disk.  A cold
-cache costs the first quantized call of a process several seconds (every
-kernel for that input type and wire); with the cache filled, loading takes
+cache costs the first quantized call of a process a few seconds (the
+kernels its schedule runs for that input type and wire; docs/PERFORMANCE.md
+"Cold start"); with the cache filled, loading takes
 a fraction of a second.  This compiles (or loads) every kernel the
-schedules use, for every input type (float32, float64, float16, bfloat16)
-and every wire format (formats.WIRES and the error-bounded mode's), and
-says where the cache is.
+schedules use with the library's defaults (sums, rounded to nearest), for
+every input type (float32, float64, float16, bfloat16) and every wire
+format (formats.WIRES and the error-bounded mode's), and says where the
+cache is; quantized MAX/MIN and stochastic rounding (opt-in) compile
+their kernels on first use.
 
 Where numba keeps it: in ``__pycache__`` next to the kernel modules
 (equarx_mpi/kernels/__pycache__/*.nbi, *.nbc) when that folder is
@@ -61,12 +64,14 @@ def warmup(verbose=False):
     """Compile, or load from numba's cache, every kernel for every input
     type and wire format.  Returns a dict: seconds, compiled (kernel
     signatures compiled now), loaded (found in the cache), cache (folders)."""
+    from equarx_mpi.bounds import bound
     from equarx_mpi.collectives.engine import warm
     from equarx_mpi.names import QUANTIZED_DTYPES, kernel_view
     from equarx_mpi.wire import formats
     t0 = time.perf_counter()
     ds = _dispatchers()
     hits0, misses0 = _counts(ds)
+    bound.warm(bound.ROUNDING)
     for wire in formats.WIRES + (formats.MODE_WIRE,):
         for dt in QUANTIZED_DTYPES:
             kd = kernel_view(np.zeros(1, dt), False).dtype

@@ -28,9 +28,17 @@ wrapped communicators of mpi4py's class for them (a wrapped Cartcomm, ...)
 with the same options; COMM_NULL stays COMM_NULL.  Inter-communicators
 (Create_intercomm, Spawn, Accept, Connect) are mpi4py's own: the library
 reduces on intra-communicators only (wrap an Intercomm's Merge() instead).
-Free() and free() also free the library's duplicates (use free() on a
-wrapped COMM_WORLD: MPI cannot Free that); Start() of a persistent request
-made before then raises.  ``last_call`` and ``stats`` report what the
+Free() and free() also free the library's duplicates; Start() of a
+persistent request made before then raises.  free() is safe, as mpi4py's:
+on wrap(MPI.COMM_WORLD) or wrap(MPI.COMM_SELF) it frees only those
+duplicates, the communicator stays usable and its next reduction makes new
+ones (a wrapped clone of the handle, type(w)(w), becomes null as mpi4py's
+clone does).  As mpi4py's, a wrapped predefined communicator pickles by
+name (loading gives MPI.COMM_WORLD itself if that is wrapped alike, else a
+new wrapped one with the same options) and any other raises ValueError;
+fromhandle, f2py and fromint of a wrapped class give that wrapped class
+(default options), while mpi4py's own (MPI.Comm.fromhandle, its C API) give
+mpi4py's classes.  ``last_call`` and ``stats`` report what the
 calls did (comm.py CallInfo, Stats), in the order they were made once the
 nonblocking ones before have finished; each Start() of MPI's own
 persistent request counts as a call (MPI.Prequest.Startall does not record).
@@ -39,13 +47,15 @@ Every rank of comm must call wrap() (it is collective); options are those
 of QuantizedComm, and EQUARX_MPI_<OPTION> / EQUARX_MPI_DISABLE apply.
 """
 import functools
+from time import perf_counter
 
 import numpy as np
 from mpi4py import MPI
 
 from equarx_mpi.call.buffers import OPAQUE
 from equarx_mpi.call.nonblocking import FREED, PersistentRequest
-from equarx_mpi.call.validate import QUANTIZED_DTYPES
+from equarx_mpi.call.plans import signature
+from equarx_mpi.call.validate import QUANTIZED_DTYPES, op_name
 from equarx_mpi.collectives import exact
 from equarx_mpi.comm import QuantizedComm, Stats
 
@@ -59,7 +69,36 @@ def wrap(comm, **opts):
     if comm == MPI.COMM_NULL:
         raise ValueError("wrap: comm is MPI.COMM_NULL")
     w = _rewrap(comm, opts, new=True)
+    # wrap(MPI.COMM_WORLD) stands for mpi4py's constant: free() leaves it be
+    w._eq_const = _named(comm)[1] or getattr(comm, "_eq_const", False)
     w._equarx()      # now: bad options raise here, on every rank
+    return w
+
+
+def _named(comm):
+    """(name, constant): mpi4py's name of comm's handle if it is predefined
+    ("COMM_WORLD", "COMM_SELF"; else None), and whether comm is mpi4py's
+    constant object itself.  mpi4py pickles a predefined handle by name, so
+    its own __reduce__ tells: the name for its constant, a reference to the
+    constant for any other object holding the handle, ValueError else."""
+    try:
+        r = MPI.Comm.__reduce__(comm)
+    except ValueError:
+        return None, False
+    if isinstance(r, str):
+        return r, True
+    return MPI.Comm.__reduce__(r[1][1]), False
+
+
+def _unpickle(name, opts):
+    """A wrapped predefined communicator, as pickled by _Wrapped.__reduce__:
+    MPI.<name> itself if that is wrapped alike (a process that replaced
+    MPI.COMM_WORLD by its wrap()), else a new wrapped one of that handle."""
+    named = getattr(MPI, name)
+    if isinstance(named, _Wrapped) and named._eq_opts == opts:
+        return named
+    w = _rewrap(_mpi_class(type(named))(named), opts, new=True)
+    w._eq_const = True
     return w
 
 
@@ -95,6 +134,14 @@ def _wrapped_class(base):
                 {"__module__": __name__, "__doc__": __doc__, **makers})
 
 
+def __getattr__(name):
+    # the classes are made on demand (_wrapped_class): pickle finds them here
+    base = getattr(MPI, name.removeprefix("Wrapped"), None) if name.startswith("Wrapped") else None
+    if isinstance(base, type) and issubclass(base, MPI.Intracomm):
+        return _wrapped_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _rewrap(comm, opts, new=False):
     """comm as a wrapped communicator with options opts: a new object holding
     the same handle, unless mpi4py just made it of our class (not new)."""
@@ -104,6 +151,10 @@ def _rewrap(comm, opts, new=False):
         comm = _wrapped_class(_mpi_class(type(comm)))(comm)
     comm._eq_opts, comm._eq_qc = dict(opts), None
     return comm
+
+
+_IN_PLACE = MPI.IN_PLACE
+_ALLREDUCE = MPI.Intracomm.Allreduce      # MPI's own, on a wrapped communicator
 
 
 def _send_arg(c, sendbuf):
@@ -141,6 +192,35 @@ class _Wrapped:
     # method that made them sets the options (_rewrap), else the defaults hold.
     _eq_opts = {}
     _eq_qc = None
+    _eq_const = False           # wrap() of mpi4py's constant: free() is a no-op
+    _eq_past = (Stats(), None)  # stats, last_call from before the last free()
+
+    def __init__(self, comm=None):
+        # type(w)(w), as MPI.Intracomm(comm): the same handle, and options
+        if isinstance(comm, _Wrapped):
+            self._eq_opts = comm._eq_opts
+
+    def __reduce__(self):
+        # as mpi4py's: a predefined handle by name (the wrapped one of that
+        # name on loading, with these options), any other a ValueError
+        name = _named(self)[0]
+        if name is None:
+            return super().__reduce__()
+        return _unpickle, (name, dict(self._eq_opts))
+
+    # mpi4py's classmethods that make an object from a handle make one of
+    # the class asked (with the default options)
+    @classmethod
+    def fromhandle(cls, handle):
+        return _rewrap(_mpi_class(cls).fromhandle(handle), {})
+
+    @classmethod
+    def f2py(cls, arg):
+        return _rewrap(_mpi_class(cls).f2py(arg), {})
+
+    @classmethod
+    def fromint(cls, arg):
+        return _rewrap(_mpi_class(cls).fromint(arg), {})
 
     def _equarx(self):
         """The QuantizedComm behind this communicator, made on first use
@@ -152,12 +232,18 @@ class _Wrapped:
     @property
     def last_call(self):
         """CallInfo of the last reduction call (None before the first)."""
-        return None if self._eq_qc is None else self._eq_qc.last_call
+        got = None if self._eq_qc is None else self._eq_qc.last_call
+        return self._eq_past[1] if got is None else got
 
     @property
     def stats(self):
-        """Totals over this communicator's reduction calls (comm.Stats)."""
-        return Stats() if self._eq_qc is None else self._eq_qc.stats
+        """Totals over this communicator's reduction calls (comm.Stats),
+        also those before a free() of a wrapped COMM_WORLD."""
+        past = self._eq_past[0]
+        if self._eq_qc is None:
+            return past
+        now = self._eq_qc.stats
+        return now if past.calls == 0 else Stats(*(a + b for a, b in zip(past, now)))
 
     # --- through the policy ----------------------------------------------------
     def _blocking(self, what, sendbuf, recvbuf, op, mpi_call):
@@ -165,12 +251,40 @@ class _Wrapped:
         c = qc._prepare(what, sendbuf, recvbuf, op, opaque_ok=True)
         if _runs_here(c):
             qc._exec.run(qc._execute, c)
-        else:
-            qc._timed(c, lambda: mpi_call(_send_arg(c, sendbuf)))
+            return None
+        qc._timed(c, lambda: mpi_call(_send_arg(c, sendbuf)))
+        return c
+
+    def exact(self):
+        """``with comm.exact(): ...``: the calls inside are exact, whatever
+        the options (QuantizedComm.exact; every rank enters it)."""
+        return self._equarx().exact()
+
+    def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
+        """The smallest message (bytes per rank) from which this
+        communicator's calls of this kind travel quantized, or None
+        (QuantizedComm.crossover, for a wrapped communicator's calls)."""
+        return self._equarx()._choose.crossover(what, op_name(op), np.dtype(dtype), upto,
+                                                wrapped=True)
 
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
-        self._blocking("Allreduce", sendbuf, recvbuf, op,
-                       lambda s: super(_Wrapped, self).Allreduce(s, recvbuf, op))
+        qc = self._eq_qc or self._equarx()
+        p = qc._plans.get(signature(sendbuf, recvbuf, op, qc._exact))
+        if p is None:       # the first call of its kind (call/plans.py)
+            c = self._blocking("Allreduce", sendbuf, recvbuf, op,
+                               lambda s: super(_Wrapped, self).Allreduce(s, recvbuf, op))
+            if c is not None:
+                qc._keep(signature(sendbuf, recvbuf, op, qc._exact), c,
+                         by_mpi=True)
+            return
+        if qc._exec._pending:
+            qc._exec.drain()
+        t0 = perf_counter()
+        _ALLREDUCE(self, _IN_PLACE if p.in_place else sendbuf, recvbuf, op)
+        p.last = t = perf_counter() - t0
+        p.calls += 1
+        p.seconds += t
+        qc._ledger._last = p
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
         self._blocking("Reduce_scatter_block", sendbuf, recvbuf, op,
@@ -210,8 +324,12 @@ class _Wrapped:
 
     # (communicators made from this one: _MAKERS)
     def _eq_release(self):
-        if self._eq_qc is not None:
-            self._eq_qc.free()
+        qc = self._eq_qc
+        if qc is not None:
+            qc.free()           # completes queued calls: their records count
+            past, last = self._eq_past
+            self._eq_past = (Stats(*(a + b for a, b in zip(past, qc.stats))),
+                             last if qc.last_call is None else qc.last_call)
             self._eq_qc = None
 
     def Free(self):
@@ -220,7 +338,10 @@ class _Wrapped:
 
     def free(self):
         """Release the library's duplicates; then mpi4py's free(): Free()
-        unless the handle is null or predefined (a wrapped COMM_WORLD)."""
+        unless the handle is null or predefined.  Safe on a wrapped
+        constant (wrap(MPI.COMM_WORLD)) as on mpi4py's: it stays usable, and
+        its next reduction makes new duplicates."""
         self._eq_release()
-        super().free()
+        if not self._eq_const:
+            super().free()
 

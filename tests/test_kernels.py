@@ -271,3 +271,73 @@ def test_a_fresh_checkout_keeps_what_the_first_process_compiles(tmp_path):
     subprocess.run([sys.executable, "-c", "import equarx_mpi.kernels"], env=env, check=True,
                    cwd=tmp_path)
     assert (cache / "marker.nbi").exists(), "the second process dropped the cache"
+
+
+def _signatures():
+    from equarx_mpi.warmup import _dispatchers
+    return {id(d): (d, len(d.signatures)) for d in _dispatchers()}
+
+
+@pytest.mark.parametrize("algorithm, kind, P, name", [
+    ("ring", "allreduce", 2, "sum"), ("ring", "allreduce", 3, "max"),
+    ("ring", "reduce_scatter", 3, "sum"), ("ring", "allgather", 2, "sum"),
+    ("two_shot", "allreduce", 2, "sum"), ("two_shot", "allreduce", 4, "min"),
+    ("two_shot", "reduce_scatter", 3, "sum")])
+def test_warm_compiles_every_kernel_a_schedule_runs(algorithm, kind, P, name):
+    """What engine.warm compiles for a call (one rank first, the others
+    load it: collectives/nodes.in_turn) is all the call compiles: running
+    the schedule's kernels afterwards, with its array layouts and rounding,
+    adds no signature.  The cold start compiles only that (docs/PERFORMANCE.md)."""
+    from equarx_mpi.collectives.engine import NEEDS, warm
+    from equarx_mpi.names import KERNEL_OP, ROUNDING
+    from equarx_mpi.wire import formats
+    kd = np.dtype(np.float32)
+    fmt = formats.make_format("int8", 256, kd)
+    warm(fmt, kd, algorithm, kind, P, (ROUNDING[name],))
+    before = _signatures()
+    n = 1000
+    own = ro(np.random.default_rng(0).standard_normal(n).astype(kd))
+    out = np.zeros(n, kd)
+    w = fmt.views(np.zeros(fmt.nbytes(n), np.uint8), n)
+    op, rmode = KERNEL_OP[name], ROUNDING[name]
+    stack = fmt.stack_views(np.zeros((P - 1) * fmt.nbytes(n), np.uint8), n, P - 1)
+    run = {"encode": lambda: fmt.encode(own, w, rmode),
+           "decode": lambda: fmt.decode(w, out),
+           "decode_reduce": lambda: fmt.decode_reduce(own, w, out, op),
+           "decode_reduce_encode": lambda: fmt.decode_reduce_encode(own, w, w, op, rmode),
+           "decode_reduce_many": lambda: fmt.decode_reduce_many(own, 1, stack, out, op),
+           "decode_reduce_encode_many":
+               lambda: fmt.decode_reduce_encode_many(own, 1, stack, w, op, rmode)}
+    for need in NEEDS[algorithm, kind]:
+        run[need]()
+    after = _signatures()
+    grew = [d.py_func.__name__ for key, (d, count) in after.items()
+            if count > before.get(key, (d, 0))[1]]
+    assert not grew, f"compiled after warm: {grew}"
+
+
+def test_rounding_to_nearest_has_its_own_int8_kernels():
+    """int8's fused hop compiles rounding to nearest without the other
+    roundings' code (half the compile time): rmode None; the kernel for
+    every rounding gives the same bits."""
+    from equarx_mpi.kernels import int8
+    rng = np.random.default_rng(3)
+    n, block = 700, 256
+    own = ro(rng.standard_normal(n).astype(np.float32))
+    h = np.empty(3, np.float32)
+    c = np.empty(n, np.int8)
+    K.i8_encode(ro(rng.standard_normal(n).astype(np.float32)), h, c, block,
+                np.empty(block, np.float32), K.ROUND_NEAREST)
+    outs = []
+    for run in (lambda ho, co: K.i8_decode_reduce_encode(ro(own), ro(h), ro(c), ho, co, block,
+                                                         K.OP_SUM, np.empty(block, np.float32),
+                                                         K.ROUND_NEAREST),
+                lambda ho, co: int8._decode_reduce_encode(ro(own), ro(h), ro(c), ho, co, block,
+                                                          K.OP_SUM, np.empty(block, np.float32),
+                                                          K.ROUND_NEAREST, np.uint64(0))):
+        ho, co = np.empty_like(h), np.empty_like(c)
+        run(ho, co)
+        outs.append((ho, co))
+    assert any(str(s[8]) == "none" for s in int8._decode_reduce_encode.signatures)
+    np.testing.assert_array_equal(outs[0][0], outs[1][0])
+    np.testing.assert_array_equal(outs[0][1], outs[1][1])

@@ -210,14 +210,16 @@ def test_halves_under_auto():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["auto", "shm"])
-def test_an_error_on_one_rank_is_raised_everywhere(algorithm):
-    """Rank 1's bad buffer leaves it without a method while the others pick
-    the shared window: the agreement must still raise, not hang."""
+@pytest.mark.parametrize("opts", [dict(algorithm="shm"), dict(exact_bounds=True)],
+                         ids=["shm", "exact_bounds"])
+def test_an_error_on_one_rank_is_raised_everywhere(opts):
+    """Rank 1's bad buffer leaves it without a method while the others take
+    a path the library agrees on (the window; an exact sum whose bound the
+    agreement carries): the agreement must still raise, not hang."""
     x = np.ones(100, np.float32)
     out = np.empty_like(x)
     if WORLD.Get_rank() == 1:
         out.flags.writeable = False
-    with QuantizedComm(WORLD, algorithm=algorithm) as qc:
+    with QuantizedComm(WORLD, **opts) as qc:
         qc.Allreduce(x, np.empty_like(x))
         raises_everywhere(ValueError, lambda: qc.Allreduce(x, out), "read-only")

@@ -194,7 +194,8 @@ class Comms:
             self.comms.popitem(last=False)[1].free()
         opts = dict(wire=c["wire"], algorithm=c["algorithm"], block_size=c["block"],
                     chunks=c["chunks"], min_quantized_bytes=0, rounding=c["rounding"],
-                    lossy_ops=("sum", "max", "min") if c["lossy"] else ("sum",))
+                    lossy_ops=("sum", "max", "min") if c["lossy"] else ("sum",),
+                    exact_bounds=True)       # the exact paths' bounds are checked too
         if c["max_message_bytes"]:
             opts["max_message_bytes"] = c["max_message_bytes"]
         self.comms[key] = QuantizedComm(WORLD, **opts)

@@ -28,47 +28,58 @@ def qc():
     q.free()
 
 
+@pytest.fixture
+def lib():
+    """Every float SUM on the library's own path, which check=True agrees
+    on (MPI's own path agrees on nothing, as MPI: test_mpi_plans.py);
+    MAX and MIN too, so that an op mismatch stays on it."""
+    q = QuantizedComm(WORLD, algorithm="ring", min_quantized_bytes=0,
+                      lossy_ops=("sum", "max", "min"))
+    yield q
+    q.free()
+
+
 # --- collective validation -------------------------------------------------------
 
 @pytest.mark.mpi(min_size=2)
-def test_count_mismatch_raises_on_every_rank(qc):
+def test_count_mismatch_raises_on_every_rank(lib):
     n = 1000 + (WORLD.Get_rank() == 1)
     x = np.ones(n, np.float32)
-    msg = raises_everywhere(ValueError, lambda: qc.Allreduce(x, np.empty_like(x)), "count")
+    msg = raises_everywhere(ValueError, lambda: lib.Allreduce(x, np.empty_like(x)), "count")
     assert "rank 0: 1000" in msg and "rank 1: 1001" in msg
-    everywhere((qc.allreduce(np.ones(10, np.float32)) == WORLD.Get_size()).all(),
+    everywhere((lib.allreduce(np.ones(10, np.float32)) == WORLD.Get_size()).all(),
                "usable after the error")
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_repeated_call_still_meets_a_rank_that_changed(qc):
+def test_a_repeated_call_still_meets_a_rank_that_changed(lib):
     # agree.py keeps each call's signature: rank 0 repeats its call from the
     # cache while rank 1's count changes; then rank 1 repeats, rank 0 changes
     for turn, changer in enumerate((1, 0)):
         x = np.ones(500, np.float32)
-        qc.Allreduce(x, np.empty_like(x))
+        lib.Allreduce(x, np.empty_like(x))
         y = np.ones(500 + turn + (WORLD.Get_rank() == changer), np.float32)
-        raises_everywhere(ValueError, lambda: qc.Allreduce(y, np.empty_like(y)), "count")
-        qc.Allreduce(x, np.empty_like(x))
+        raises_everywhere(ValueError, lambda: lib.Allreduce(y, np.empty_like(y)), "count")
+        lib.Allreduce(x, np.empty_like(x))
 
 
 @pytest.mark.mpi(min_size=2)
-def test_dtype_and_op_mismatch_raise_on_every_rank(qc):
+def test_dtype_and_op_mismatch_raise_on_every_rank(lib):
     dt = np.float64 if WORLD.Get_rank() == 1 else np.float32
     x = np.ones(100, dt)
-    raises_everywhere(ValueError, lambda: qc.Allreduce(x, np.empty_like(x)), "dtype")
+    raises_everywhere(ValueError, lambda: lib.Allreduce(x, np.empty_like(x)), "dtype")
     x = np.ones(100, np.float32)
     op = MPI.MAX if WORLD.Get_rank() == 1 else MPI.SUM
-    raises_everywhere(ValueError, lambda: qc.Allreduce(x, np.empty_like(x), op), "op")
+    raises_everywhere(ValueError, lambda: lib.Allreduce(x, np.empty_like(x), op), "op")
 
 
 @pytest.mark.mpi(min_size=2)
-def test_error_on_one_rank_is_raised_on_all(qc):
+def test_error_on_one_rank_is_raised_on_all(lib):
     x = np.ones(100, np.float32)
     out = np.empty_like(x)
     if WORLD.Get_rank() == 1:
         out.flags.writeable = False
-    msg = raises_everywhere(ValueError, lambda: qc.Allreduce(x, out), "read-only")
+    msg = raises_everywhere(ValueError, lambda: lib.Allreduce(x, out), "read-only")
     assert msg.startswith("equarx_mpi: rank 1:")
 
 
@@ -324,13 +335,13 @@ def test_op_must_be_an_mpi_op(qc):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_different_collectives_on_ranks_raise_everywhere(qc):
+def test_different_collectives_on_ranks_raise_everywhere(lib):
     P = WORLD.Get_size()
     x = np.ones(P * 300, np.float32)
     if WORLD.Get_rank() == 0:
-        fn = lambda: qc.Allreduce(x, np.empty_like(x))                     # noqa: E731
+        fn = lambda: lib.Allreduce(x, np.empty_like(x))                     # noqa: E731
     else:
-        fn = lambda: qc.Reduce_scatter_block(x, np.empty(300, np.float32))  # noqa: E731
+        fn = lambda: lib.Reduce_scatter_block(x, np.empty(300, np.float32))  # noqa: E731
     raises_everywhere(ValueError, fn, "call differs")
 
 

@@ -3,8 +3,9 @@ holds the command registry), and what the tools share.
 
 Commands, one module each: allreduce.py (the default: every method against
 MPI; with overlap.py, report.py and plot.py), shm.py, tolerance.py,
-kernels.py.  Shared, and free of MPI: common.py (sizes, rates, latencies,
-the size sweep, the registry's dispatch), methods.py (the AllReduce methods
-by name), native.py (the C reference's loader).  Importing this package
+calls.py (the per-call cost of small messages), kernels.py.  Shared, and
+free of MPI: common.py (sizes, rates, latencies, the size sweep, the
+registry's dispatch), methods.py (the AllReduce methods by name),
+native.py (the C reference's loader).  Importing this package
 imports nothing.
 """

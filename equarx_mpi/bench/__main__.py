@@ -21,8 +21,14 @@ COMMANDS = {
     "tolerance": ("equarx_mpi.bench.tolerance", "main",
                   "the error-bounded mode (abs_tol) against int8 two-shot at the same\n"
                   "error, under mpirun"),
+    "calls": ("equarx_mpi.bench.calls", "main",
+              "per-call cost of small Allreduces through wrap() and QuantizedComm\n"
+              "against mpi4py's own, under mpirun (issue 20's targets, PASS/MISS)"),
     "kernels": ("equarx_mpi.bench.kernels", "main",
                 "numba's int8 kernels against the C reference in native/, one process"),
+    "coldstart": ("equarx_mpi.bench.coldstart", "main",
+                  "with numba's cache empty: the first quantized call at 2 ranks (it\n"
+                  "launches mpirun) and python -m equarx_mpi.warmup, against the targets"),
 }
 
 

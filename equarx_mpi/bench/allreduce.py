@@ -10,7 +10,10 @@ same run, interleaved call by call so machine noise hits them alike.  Per
 rank the median time of the timed calls is kept; the columns give its
 average, min and max over ranks.  Bandwidths use the *uncompressed* bytes,
 like nccl-tests.  Errors are measured against a float64 sum of the inputs.
-The output header explains every column.
+The largest size runs first: a summary of it (the int8 ring against the
+bf16 ring and MPI, and what one machine can show) heads the output, above
+the table.  The output header explains every column.  The library's log of
+lossy calls (EQUARX_MPI_LOG) is off unless set: the path column says it.
 """
 import argparse
 import json
@@ -23,11 +26,12 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi.bench.common import arg_type, human, mpi_library, parse_size, sizes
+from equarx_mpi.bench.common import arg_type, human, mpi_library, node_cores, parse_size, sizes
 from equarx_mpi.bench.methods import DEFAULT_METHODS, METHODS, PIECES, parse_methods
-from equarx_mpi.bench.report import COLUMNS, LEGEND, footer, format_row
+from equarx_mpi.bench.report import COLUMNS, LEGEND, footer, format_row, summary
 from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.names import BFLOAT16
+from equarx_mpi.wrapping import wrap
 
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
           "bfloat16": BFLOAT16}
@@ -151,14 +155,16 @@ def _agree(comm, err):
 
 
 def _make_comms(comm, methods, block):
-    """name -> QuantizedComm for the requested library methods.  Collective."""
+    """name -> QuantizedComm (or wrapped communicator) for the requested
+    library methods.  Collective."""
     qcs = {}
     for m in methods:
         opts = METHODS[m].options
         if opts is None:
             continue
         try:
-            qcs[m] = QuantizedComm(comm, **{"block_size": block, **opts})
+            make = wrap if METHODS[m].wrapped else QuantizedComm
+            qcs[m] = make(comm, **{"block_size": block, **opts})
         except (TypeError, ValueError) as e:   # agreed: raised alike on every rank
             for qc in qcs.values():
                 qc.free()
@@ -182,6 +188,9 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
     _agree(comm, err or (_rank0_error(args) if rank == 0 else None))
     methods = parse_methods(args.methods)
     dtype = np.dtype(DTYPES[args.dtype])
+    # The path column says what travelled lossy: the library's log of it on
+    # stderr (on by default) would bury the progress lines, unless asked for.
+    os.environ.setdefault("EQUARX_MPI_LOG", "0")
     qcs = _make_comms(comm, methods, args.block)
     # Flushed line by line, so progress on stderr never lands inside the table.
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
@@ -191,13 +200,10 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
         f"timed calls, methods interleaved call by call")
     if P == 1:
         say("# 1 rank: every method returns its input; run under mpirun -n P (P >= 2)")
-    say("# methods:")
-    for m in methods:
-        say(f"#   {m:12s} {METHODS[m].about}")
-    rows = []
     todo = sorted({max(1, b // dtype.itemsize)
                    for b in sizes(args.minbytes, args.maxbytes, args.stepfactor)})
     if args.overlap:
+        _say_methods(methods, say)
         from equarx_mpi.bench import overlap
         rows = overlap.run(args, comm, qcs, methods, dtype, todo, say, _path)
         for qc in qcs.values():
@@ -207,13 +213,30 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
                 json.dump({"ranks": P, "dtype": dtype.name, "mpi": mpi_library(),
                            "argv": sys.argv[1:], "overlap": rows}, f, indent=1)
         return rows
-    say(LEGEND)
-    say("#" + " ".join(f"{name:>{w}}" for name, w in COLUMNS)[1:])
-    for i, count in enumerate(todo):
+    # The largest size runs first: the summary above the table is made of it,
+    # and a newcomer reads it while the other sizes run.
+    one_node, cores = node_cores(comm)
+    order = todo[-1:] + todo[:-1]
+    by_count = {}
+    for i, count in enumerate(order):
         if rank == 0 and not args.quiet:
-            sys.stderr.write(f"# [{i + 1}/{len(todo)}] {human(count * dtype.itemsize)}\n")
+            first = " (first: the summary)" if i == 0 and len(order) > 1 else ""
+            sys.stderr.write(f"# [{i + 1}/{len(order)}] {human(count * dtype.itemsize)}"
+                             f"{first}\n")
             sys.stderr.flush()
-        rows += _one_size(comm, qcs, methods, count, dtype, args, say)
+        by_count[count] = got = _one_size(comm, qcs, methods, count, dtype, args)
+        if i == 0:
+            if rank == 0:
+                summary(got, P, cores, one_node, say)
+            _say_methods(methods, say)
+            say(LEGEND)
+            say("#" + " ".join(f"{name:>{w}}" for name, w in COLUMNS)[1:])
+        else:
+            for r in got:
+                say(format_row(r))
+    for r in by_count[order[0]]:        # the largest size, in its place: last
+        say(format_row(r))
+    rows = [r for count in todo for r in by_count[count]]
     for qc in qcs.values():
         qc.free()
     if rank == 0:
@@ -222,13 +245,19 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
     return rows
 
 
+def _say_methods(methods, say):
+    say("# methods:")
+    for m in methods:
+        say(f"#   {m:12s} {METHODS[m].about}")
+
+
 def _inputs(rank, count, dtype, data):
     x = DATA[data][1](np.random.default_rng(1000 + rank), count)
     with np.errstate(over="ignore"):
         return x.astype(dtype)
 
 
-def _one_size(comm, qcs, methods, count, dtype, args, say):
+def _one_size(comm, qcs, methods, count, dtype, args):
     P, rank = comm.Get_size(), comm.Get_rank()
     x = _inputs(rank, count, dtype, args.data)
     exact = np.empty(count, np.float64)
@@ -272,7 +301,6 @@ def _one_size(comm, qcs, methods, count, dtype, args, say):
     base = next((r for r in rows if r["method"] == "mpi"), None)
     for r in rows:
         r["speedup_vs_mpi"] = base["time_us"]["avg"] / r["time_us"]["avg"] if base else None
-        say(format_row(r))
     return rows
 
 

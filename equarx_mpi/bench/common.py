@@ -3,7 +3,7 @@ tune``, ``... cluster``): the one home of size, rate and latency parsing,
 of human sizes and of the size sweep.
 
 A leaf: it imports no module of the package and not mpi4py (only
-``mpi_library`` does, when called; ``run_command``, the command registry
+``mpi_library`` and ``node_cores`` do, when called; ``run_command``, the command registry
 of ``python -m equarx_mpi.bench`` and ``... tune``, imports the module of
 the command it runs), so ``tune predict`` and the cluster launcher never
 initialize MPI.
@@ -21,6 +21,7 @@ Units:
 """
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -119,6 +120,24 @@ def mpi_library():
     Imports (and so initializes) MPI: for tools that run under mpirun."""
     from mpi4py import MPI
     return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+
+
+def node_cores(comm):
+    """(whether all of comm's ranks share one node, the cores the ranks of
+    this rank's node may run on).  The cores are the union of those ranks'
+    affinities: mpirun may bind each rank to one core.  Collective; imports
+    MPI, like ``mpi_library``."""
+    from mpi4py import MPI
+    try:
+        mine = sorted(os.sched_getaffinity(0))
+    except AttributeError:          # not Linux: the machine's count
+        mine = list(range(os.cpu_count() or 1))
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        cores = len(set().union(*map(set, local.allgather(mine))))
+        return local.Get_size() == comm.Get_size(), cores
+    finally:
+        local.Free()
 
 
 def run_command(prog, commands, default, argv=None):

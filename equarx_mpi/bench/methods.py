@@ -4,13 +4,14 @@
 equarx_mpi.tune check`` maps a benchmark's columns to the cost model's
 methods with it, and the examples (examples/methods.py) take their
 options from it.  Each name maps to what it runs, in words, and the
-QuantizedComm options (None: mpi4py's own exact ``comm.Allreduce``).  A
+QuantizedComm options (None: mpi4py's own exact ``comm.Allreduce``;
+``wrapped``: the options of ``equarx_mpi.wrap(comm)`` instead).  A
 QuantizedComm is built only for the methods a run asks for, so a line may
 name options this version does not have yet.  A leaf: imports nothing.
 
 The words state the library's defaults as numbers (tests/test_tools.py
-checks them against the code): the named algorithms' size floor
-(call/policy.py DEFAULT_MIN_QUANTIZED_BYTES), the wires' own blocks
+checks them against the code): the lossy margin (call/options.py
+DEFAULTS), the wires' own blocks
 (wire/base.py DEFAULT_BLOCK) and the pieces of a shard
 (collectives/pieces.py).
 """
@@ -20,6 +21,7 @@ from typing import NamedTuple, Optional
 class Method(NamedTuple):
     about: str              # what runs, in words (the --help and the run's header)
     options: Optional[dict]  # QuantizedComm options; None: mpi4py's comm.Allreduce
+    wrapped: bool = False   # through equarx_mpi.wrap(comm, **options), the drop-in
 
 
 #: every size: no floor below which the library takes exact MPI
@@ -31,13 +33,17 @@ METHODS = {
                   None),
     "mpi-lib": Method("algorithm='mpi': MPI's Allreduce through the library (its argument "
                       "agreement and error bound)", dict(algorithm="mpi")),
+    "wrap": Method("equarx_mpi.wrap(comm).Allreduce with the defaults, the drop-in: "
+                   "algorithm='auto' without the shared window, so exact MPI (its own "
+                   "bits) unless a quantized method is predicted lossy_margin times "
+                   "faster", {}, wrapped=True),
     "bf16": Method("ring, bfloat16 on the wire (uncompressed 16 bits), at every size",
                    dict(RING, wire="bf16")),
     "fp32": Method("ring, float32 on the wire (uncompressed), at every size",
                    dict(RING, wire="fp32")),
-    "int8": Method("int8 ring as algorithm='ring' runs it by default: exact MPI below "
-                   "4 MiB per rank on one node (256 KiB across nodes), the named "
-                   "algorithms' min_quantized_bytes", dict(wire="int8", algorithm="ring")),
+    "int8": Method("int8 ring as algorithm='ring' runs it by default: exact MPI where the "
+                   "cost model does not predict it 25% faster (lossy_margin)",
+                   dict(wire="int8", algorithm="ring")),
     "int8-c1": Method("int8 ring at every size, chunks=1: one piece per shard (on one node "
                       "that is the default, so the same as int8-raw)",
                       dict(RING, wire="int8", chunks=1)),
@@ -63,8 +69,8 @@ METHODS = {
                        "says)", dict(RING, wire="int4-affine", block_size=128)),
     "auto": Method("algorithm='auto' (the library default): per call the cost model's "
                    "fastest of MPI, shm (one node), the int8 ring, two-shot and "
-                   "hierarchical (nodes of several ranks each); quantized only if "
-                   "predicted 5% faster than exact", dict(algorithm="auto")),
+                   "hierarchical (nodes of several ranks each); lossy only if "
+                   "predicted 25% faster than exact (lossy_margin)", dict(algorithm="auto")),
     "auto-exact": Method("algorithm='auto', accuracy='exact': the faster of MPI and shm "
                          "(one node) as the cost model predicts",
                          dict(algorithm="auto", accuracy="exact")),

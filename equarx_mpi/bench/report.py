@@ -1,6 +1,12 @@
-"""The text of ``python -m equarx_mpi.bench``'s allreduce sweep: the column
-legend, one row per size and method, and the summary lines after the table
-(among them auto against the fastest single method at each size)."""
+"""The text of ``python -m equarx_mpi.bench``'s allreduce sweep: the
+summary above the table (what the library buys at the largest size, and
+what one machine can and cannot show), the column legend, one row per size
+and method, and the lines after the table (among them auto against the
+fastest single method at each size)."""
+import os
+import sys
+import textwrap
+
 import numpy as np
 
 from equarx_mpi.bench.common import human
@@ -60,7 +66,8 @@ def auto_summary(rows, methods, say):
     """auto's time against the fastest single method at each size: among
     the library's methods (which pay the same per-call checks), and among
     every column (with mpi4py's own, which pays none)."""
-    singles = [m for m in methods if not m.startswith("auto") and m != "int8"]
+    # int8 and wrap change method with the size: not single methods
+    singles = [m for m in methods if not m.startswith("auto") and m not in ("int8", "wrap")]
     if "auto" not in methods or not singles:
         return
     lib = [m for m in singles if m != "mpi"]
@@ -76,3 +83,65 @@ def auto_summary(rows, methods, say):
                 else ""
             cells.append(f"{human(size)} {t['auto'] / t[best] - 1:+.1%} ({best}{same})")
         say(f"# auto vs the fastest of {name} ({', '.join(pool)}): " + ", ".join(cells))
+
+
+#: the int8 ring's columns, the first that ran the ring at the size wins
+INT8_RING = ("int8", "int8-raw", "int8-c1", "int8-nocheck", "wrap", "auto")
+#: the emulated cluster's command for the same comparison (docs/CLUSTER.md)
+CLUSTER_ARGS = "run --hosts 4 --rate 1gbit -- -b 64K -e 64M -m mpi,bf16,int8"
+
+
+def _pct(e):
+    # below 1e-5 relative: the rounding of the result's own type, not a method's error
+    return "exact" if e is not None and e < 1e-5 else "-" if e is None else f"{100 * e:.3g}%"
+
+
+def cluster_command():
+    """The emulated cluster's command line, runnable as printed."""
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    return f"{'' if root else 'sudo '}{sys.executable} -m equarx_mpi.cluster {CLUSTER_ARGS}"
+
+
+def _para(text, say):
+    say(textwrap.fill(" ".join(text.split()), 96, initial_indent="#   ",
+                      subsequent_indent="#   "))
+
+
+def summary(rows, P, cores, one_node, say):
+    """The first lines a newcomer reads, from the rows of the largest size:
+    the int8 ring against the bf16 ring (EQuARX's comparison) and against
+    MPI, speed and error; on one node, what shared memory can and cannot
+    show, and the emulated cluster's command."""
+    at = {r["method"]: r for r in rows}
+    size = human(rows[0]["bytes"])
+    ring8 = next((at[m] for m in INT8_RING if m in at and at[m]["path"] == "ring/int8"), None)
+    bf16 = next((r for r in rows if r["path"] == "ring/bf16"), None)
+    mpi = at.get("mpi")
+    say(f"# summary at {size} per rank, the largest size (it ran first; the table below "
+        f"has every size):")
+    if ring8 is None or (bf16 is None and mpi is None):
+        _para(f"no int8 ring against bf16 or mpi at {size}: -m mpi,bf16,int8-raw compares "
+              f"them (int8 alone is exact MPI where the ring does not pay)", say)
+    else:
+        t8 = ring8["time_us"]["avg"]
+        for base, words in ((bf16, "bf16 ring (EQuARX's comparison)"),
+                            (mpi, "MPI's own Allreduce")):
+            if base is not None:
+                say(f"#   int8 ring vs {words}, columns {ring8['method']}, "
+                    f"{base['method']}: {base['time_us']['avg'] / t8:.2f}x the speed; "
+                    f"error {_pct(ring8['rel_err'])} vs {_pct(base['rel_err'])}")
+    if not one_node:
+        return
+    ahead = ring8 is not None and mpi is not None and \
+        mpi["time_us"]["avg"] > ring8["time_us"]["avg"]
+    _para(f"On one machine ({P} ranks, {cores} core{'s' * (cores != 1)}) the ranks exchange "
+          f"through shared memory: with no network, fewer bytes buy far less than on a wire, and "
+          f"int8 gets "
+          + ("ahead of MPI only on large messages like this one" if ahead else
+             "ahead of MPI, if at all, only on messages of tens of MiB")
+          + "; MPI wins the small ones (speedup column)."
+          + (" With more ranks than cores, every step of a ring also waits for a core."
+             if P > cores else ""), say)
+    _para("On a network the bytes are the cost. The emulated cluster shows that on this "
+          "machine (as root; 4 hosts, each with its own 1 Gbit/s link; docs/CLUSTER.md):", say)
+    say(f"#     {cluster_command()}")

@@ -86,10 +86,10 @@ def largest(values, finite_only=True):
     return float(block_magnitudes(values, values.size, finite_only)[0])
 
 
-def warm():
-    """Compile (or load from numba's cache) the magnitude pass for every
-    kernel element type."""
-    for kd in ROUNDING:
+def warm(kdtypes):
+    """Compile (or load from numba's cache) the magnitude pass for the
+    kernel element types ``kdtypes`` (python -m equarx_mpi.warmup: all)."""
+    for kd in kdtypes:
         x = np.zeros(3, kd)
         block_magnitudes(x, 2, True)
         block_magnitudes(x, 2, False)

@@ -82,6 +82,11 @@ class Executor:
         self.closed = False
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
+    @property
+    def pending(self):
+        """Calls queued or running."""
+        return self._pending
+
     def in_thread(self):
         """Whether the caller is the progress thread."""
         return self._thread is not None and threading.current_thread() is self._thread

@@ -7,7 +7,9 @@ the default, and an option passed in code still wins.  A value that does
 not parse is ignored with a warning (as mpi4py does with MPI4PY_RC_*); an
 unknown option passed in code is a TypeError.  ``EQUARX_MPI_DISABLE=1``
 makes every call take the exact MPI collective, whatever the code asks;
-``EQUARX_MPI_LOG=1`` logs every call's decision on rank 0 (stderr).
+``EQUARX_MPI_LOG=1`` logs every call's decision on rank 0 (stderr); by
+default (``lossy``) rank 0 logs each kind of call the first time it is
+chosen to travel lossy; ``0`` logs nothing.
 ``EQUARX_MPI_PROFILE=path`` names the profile algorithm="auto" decides
 with (costmodel.py).
 
@@ -40,6 +42,8 @@ DEFAULTS = dict(
     lossy_ops=("sum",),
     lossy_allgather=False,
     check=True,
+    lossy_margin=1.25,      # auto and the named algorithms' floors: lossy only this much faster
+    exact_bounds=False,     # exact float SUMs through MPI: compute their bound on every call
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
     rounding="nearest",     # of SUM's codes; "stochastic": unbiased, keyed by seed
     seed=0,
@@ -57,8 +61,10 @@ def disabled():
 
 
 def logging():
-    """EQUARX_MPI_LOG=1: log each call's decision on rank 0."""
-    return os.environ.get(ENV_PREFIX + "LOG", "0") not in ("", "0")
+    """EQUARX_MPI_LOG: "1" logs each call's decision on rank 0, "lossy" (the
+    default) each new lossy decision, "0" none."""
+    t = os.environ.get(ENV_PREFIX + "LOG", "lossy").strip().lower()
+    return "none" if t in ("", "0") else "lossy" if t == "lossy" else "all"
 
 
 def _parse_env(name, text):
@@ -71,7 +77,9 @@ def _parse_env(name, text):
         return None if t.lower() == "none" else float(t)
     if name == "lossy_ops":
         return tuple(s.strip().lower() for s in t.split(",") if s.strip())
-    if name in ("check", "lossy_allgather"):
+    if name == "lossy_margin":
+        return float(t)
+    if name in ("check", "lossy_allgather", "exact_bounds"):
         if t.lower() in ("1", "true", "yes", "on"):
             return True
         if t.lower() in ("0", "false", "no", "off"):
@@ -125,6 +133,7 @@ def resolve(given):
                                          for o in opts["lossy_ops"])))
     check(opts)
     opts["seed"] = int(opts["seed"])
+    opts["lossy_margin"] = float(opts["lossy_margin"])
     return opts
 
 
@@ -205,7 +214,12 @@ def check(o):
     bad = [op for op in o["lossy_ops"] if op not in LOSSY_OPS]
     if bad:
         raise ValueError(f"lossy_ops may hold {', '.join(LOSSY_OPS)}, not {bad}")
-    for name in ("check", "lossy_allgather"):
+    lm = o["lossy_margin"]
+    if isinstance(lm, bool) or not isinstance(lm, (int, float, np.integer, np.floating)) \
+            or not 1 <= lm < math.inf:
+        raise ValueError(f"lossy_margin must be a number >= 1 (1.25: lossy only where "
+                         f"predicted 25% faster than exact), not {lm!r}")
+    for name in ("check", "lossy_allgather", "exact_bounds"):
         if not isinstance(o[name], (bool, np.bool_)):
             raise ValueError(f"{name} must be True or False, not {o[name]!r}")
     if o["rounding"] not in ROUNDINGS:

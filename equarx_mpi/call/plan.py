@@ -17,7 +17,9 @@ float SUM needs M, the largest finite input magnitude over all ranks:
     AT_RUN    the values exist only when the call runs (a persistent
               request; error feedback, whose moved inputs the bound
               counts, on any exact path): one MAX Allreduce then
-    UNKNOWN   check=False outside the error-bounded mode: Inf
+    UNKNOWN   exact_bounds=False (the default) or check=False, outside the
+              error-bounded mode: Inf, and the call needs no agreement, so
+              MPI's own path costs what MPI's does (call/plans.py)
     SCHEDULE  a quantized call
 """
 import numpy as np
@@ -34,11 +36,12 @@ FIXED, AGREED, WINDOW, AT_RUN, UNKNOWN, SCHEDULE = (
 WHEN_PREPARED = (FIXED, AGREED, UNKNOWN)
 
 
-def bound_source(what, opname, dtype, P, method, nbytes, later, check, moved, tolerant):
+def bound_source(what, opname, dtype, P, method, nbytes, later, agreed, moved, tolerant):
     """Where the bound of a call comes from (one of the names above).
     ``dtype``: None for a buffer only MPI can read; ``later``: its values
-    are known only when it runs; ``moved``: error feedback changes its
-    inputs; ``tolerant``: the error-bounded mode applies."""
+    are known only when it runs; ``agreed``: check and exact_bounds, exact
+    calls agree on M; ``moved``: error feedback changes its inputs;
+    ``tolerant``: the error-bounded mode applies."""
     if method not in EXACT:
         return SCHEDULE
     if moved:           # each rank's input moved: the bound counts by how much
@@ -49,7 +52,7 @@ def bound_source(what, opname, dtype, P, method, nbytes, later, check, moved, to
         return AGREED
     if method == "shm":
         return WINDOW
-    if not check:
+    if not agreed:
         return UNKNOWN
     return AT_RUN if later else AGREED
 

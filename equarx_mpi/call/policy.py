@@ -1,19 +1,22 @@
 """The choice of method for each call, in one place: exact MPI, the shared
 window, or a quantized schedule.
 
-Lossy only where the caller asked for it: SUM is quantized by default;
-MAX and MIN only when ``lossy_ops`` names them (then rounded so MAX is
-never below and MIN never above the true result); every other op and
-every non-float dtype is exact.  Small messages take exact MPI too, below
-``min_quantized_bytes`` (default DEFAULT_MIN_QUANTIZED_BYTES).
+Lossy only where the caller allowed it and it clearly pays: SUM may be
+quantized by default; MAX and MIN only when ``lossy_ops`` names them (then
+rounded so MAX is never below and MIN never above the true result); every
+other op and every non-float dtype is exact.  A quantized method is taken
+only where the cost model predicts it at least ``lossy_margin`` (default
+1.25) times faster than the best exact method, under algorithm="auto" and
+for the named algorithms alike (their size floor), unless
+``min_quantized_bytes`` sets the floor instead; ``comm.exact()`` and
+``accuracy="exact"`` keep calls exact.
 
 algorithm="auto" picks, per call, the fastest predicted method among those
 allowed: the exact ones (MPI; the shared window on one node) and the
 quantized ones (ring; two-shot; hierarchical on several nodes of equal
 size) whose error on standard-normal data (costmodel.error) is within
-``accuracy``.  A quantized method must beat the best exact one by
-LOSSY_MARGIN, and among quantized ones the most accurate within LOSSY_MARGIN
-of the fastest wins: accuracy wins near-ties."""
+``accuracy``; among quantized ones the most accurate within NEAR_TIE of
+the fastest wins."""
 
 import numpy as np
 
@@ -29,15 +32,14 @@ from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
     rounding,
 )
 
-#: Below this many bytes per rank the exact MPI collective is used by the
-#: named algorithms (not auto, which asks the cost model): one value when
-#: all ranks share a node (shared memory: MPI's copy is cheap, the kernels'
-#: passes over memory are not), one across nodes.  Measured with
-#: ``python -m equarx_mpi.bench``; see docs/PERFORMANCE.md "Defaults".
-DEFAULT_MIN_QUANTIZED_BYTES = {"one_node": 4 << 20, "network": 256 << 10}
-#: auto takes a quantized method only where the model predicts it this much
-#: faster than the best exact one: exactness wins near-ties.
-LOSSY_MARGIN = 1.05
+#: auto takes the exact shared window from this size only: below it the
+#: window's two synchronizations cost more than MPI's own small-message
+#: algorithms (measured at 64 KiB, 2 and 8 ranks on 2 cores: 0.34x and
+#: 0.49x MPI's speed; from 1 MiB 1.15-2.48x; issue 20), whatever the model
+WINDOW_FROM = 1 << 20
+#: among quantized methods, one this much slower than the fastest but more
+#: accurate wins (at 1024 ranks the int8 ring's error is 16x two-shot's)
+NEAR_TIE = 1.05
 
 
 def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
@@ -50,7 +52,9 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
     ErrorFeedback (auto leaves out the hierarchical schedule, which cannot);
     ``wrapped``: a wrapped communicator's call, whose exact calls give MPI's
     own bits (auto leaves out the window, which adds in another order);
-    ``off``: EQUARX_MPI_DISABLE was set when the communicator was made."""
+    ``off``: EQUARX_MPI_DISABLE was set when the communicator was made.
+    ``opts["accuracy"] == "exact"`` (also inside ``comm.exact()``) keeps
+    every call exact."""
     fixed = _without_model(opts, what, opname, dtype, P, layout, off)
     if fixed is not None:
         return fixed
@@ -64,7 +68,11 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
             times[m] = model.time(m, nbytes, np.dtype(dtype).itemsize, dtype_name(dtype))
         return times[m]
 
-    best_exact = min(["mpi", "shm"], key=t) if window else "mpi"    # no model unless auto
+    margin = opts["lossy_margin"]
+    # MPI's own unless another method clearly pays, within what the model measured
+    known = nbytes >= model.measured_from
+    best_exact = "shm" if window and nbytes >= WINDOW_FROM and t("shm") * margin <= t("mpi") \
+        else "mpi"
     why_exact = _exact_op(opts, what, opname)
     # stochastic rounding has twice the error variance of nearest (costmodel)
     rmode = "stochastic" if rounding(opname, opts["rounding"]) == ROUND_STOCHASTIC else "nearest"
@@ -73,16 +81,21 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
         return model.error(m, rmode)
     lossy, why = ([], why_exact) if why_exact else _lossy_candidates(opts, what, layout, error,
                                                                      feedback)
-    floor = _floor(opts, layout, nbytes) if lossy else None
-    if floor:
-        lossy, why = [], floor
-    if not lossy or alg != "auto":
-        return (lossy[0], why) if lossy else (best_exact, why)
-    best = near_fastest(lossy, t, error)
-    if t(best) * LOSSY_MARGIN > t(best_exact):
-        return best_exact, (f"auto: exact is predicted faster: {_predicted(times, best_exact)}, "
-                            f"{_predicted(times, best)}")
-    return best, (f"auto: {_predicted(times, best)}, error {error(best):.2%}; "
+    least = opts["min_quantized_bytes"]
+    if lossy and least is not None and nbytes < least:
+        return best_exact, f"{nbytes} bytes is below min_quantized_bytes={least}"
+    if not lossy:
+        return best_exact, why
+    if least is not None and alg != "auto":      # the caller's floor, not the model's
+        return lossy[0], why
+    if not known:
+        return best_exact, (f"{alg}: {nbytes} bytes is below the smallest size the profile "
+                            f"measured ({model.measured_from}): MPI's own")
+    best = lossy[0] if alg != "auto" else near_fastest(lossy, t, error)
+    if t(best) * margin > t(best_exact):
+        return best_exact, (f"{alg}: lossy is not predicted {margin:g}x faster than exact: "
+                            f"{_predicted(times, best_exact)}, {_predicted(times, best)}")
+    return best, (f"{alg}: {_predicted(times, best)}, error {error(best):.2%}; "
                   f"{_predicted(times, best_exact)}")
 
 
@@ -121,24 +134,11 @@ def _exact_op(opts, what, opname):
     return None
 
 
-def _floor(opts, layout, nbytes):
-    """Why a message this small stays exact, or None: below
-    ``min_quantized_bytes``, which for the named algorithms defaults to
-    the measured crossover (auto asks the model instead)."""
-    least = opts["min_quantized_bytes"]
-    if least is None and opts["algorithm"] != "auto":
-        least = DEFAULT_MIN_QUANTIZED_BYTES["one_node" if layout.one_node else "network"]
-    if least is not None and nbytes < least:
-        return f"{nbytes} bytes is below min_quantized_bytes={least}"
-    return None
-
-
 def near_fastest(methods, t, error):
-    """The most accurate of ``methods`` predicted within LOSSY_MARGIN of the
-    fastest (at 1024 ranks the int8 ring's error is 16x two-shot's, for a
-    few percent of time)."""
+    """The most accurate of ``methods`` predicted within NEAR_TIE of the
+    fastest."""
     fastest = min(methods, key=t)
-    return min((m for m in methods if t(m) <= t(fastest) * LOSSY_MARGIN),
+    return min((m for m in methods if t(m) <= t(fastest) * NEAR_TIE),
                key=lambda m: (error(m), t(m)))
 
 
@@ -187,32 +187,48 @@ class Chooser:
     """choose() for one communicator, remembered per call shape: the model
     takes tens of microseconds, and a shape's answer never changes.
     EQUARX_MPI_DISABLE is read once, here: the communicator's maker agrees
-    it across ranks, so that every rank (and crossover) answers alike."""
+    it across ranks, so that every rank (and crossover) answers alike.
+    ``tell(shape, method, reason)``, if given, hears of each shape's first
+    lossy call (the log)."""
 
-    def __init__(self, opts, P, layout, model):
+    def __init__(self, opts, P, layout, model, tell=None):
         self.opts, self.P, self.layout, self.model = opts, P, layout, model
+        self._exact_opts = dict(opts, accuracy="exact")
         self.off = disabled()
-        self._seen = {}
+        self._seen, self._told, self.tell = {}, set(), tell
 
-    def __call__(self, what, opname, dtype, nbytes, feedback=False, wrapped=False):
-        key = (what, opname, dtype, nbytes, feedback, wrapped)
+    def __call__(self, what, opname, dtype, nbytes, feedback=False, wrapped=False,
+                 exact=False):
+        """(method, reason); ``exact``: inside comm.exact()."""
+        key = (what, opname, dtype, nbytes, feedback, wrapped, exact)
+        got = self._choose(key)
+        if self.tell is not None and got[0] not in EXACT and key not in self._told:
+            self._told.add(key)
+            self.tell(key, *got)
+        return got
+
+    def _choose(self, key):
         got = self._seen.get(key)
         if got is None:
             if len(self._seen) >= 1024:
                 self._seen.clear()
-            got = self._seen[key] = choose(self.opts, what, opname, dtype, nbytes, self.P,
-                                           self.layout, self.model, feedback, wrapped,
-                                           self.off)
+            what, opname, dtype, nbytes, feedback, wrapped, exact = key
+            got = choose(self._exact_opts if exact else self.opts, what, opname, dtype, nbytes,
+                         self.P, self.layout, self.model, feedback, wrapped, self.off)
+            if exact and got[1] == "accuracy='exact'":
+                got = got[0], "inside comm.exact()"
+            self._seen[key] = got
         return got
 
-    def crossover(self, what, opname, dtype, upto):
+    def crossover(self, what, opname, dtype, upto, wrapped=False):
         """The smallest size (quarter-octave steps from 1 KiB) that is
         quantized, or None up to ``upto``."""
         n = 1024
         while n <= upto:
             for step in (4, 5, 6, 7):
                 size = n * step // 4
-                if self(what, opname, dtype, size)[0] not in EXACT:
+                if self._choose((what, opname, dtype, size, False, wrapped, False))[0] \
+                        not in EXACT:
                     return size
             n *= 2
         return None

@@ -49,30 +49,70 @@ def uncompressed_bytes(what, nbytes, P):
 
 class Ledger:
     """What a communicator's calls did: the last one (a CallInfo), the
-    totals (a Stats), what block_bounds needs, and with ``log`` a line per
-    call on stderr.  The progress thread records too, hence the lock."""
+    totals (a Stats), what block_bounds needs, and with ``log == "all"`` a
+    line per call on stderr.  The progress thread records too, hence the
+    lock.  ``plans``: signature -> the Plan a repeated call runs
+    (call/plans.py), which tallies itself: the caller's thread does, with
+    no call queued, so it needs no lock; its tally joins the totals here."""
+
+    #: plans kept per communicator; past it they are folded into the totals
+    MOST_PLANS = 1024
 
     def __init__(self, P, log):
         self.P, self.log = P, log
-        self.last = None
-        #: the last call's bound.Record, or an exact call's (n, its one bound)
-        self.blocks = None
+        self._last = None          # a CallInfo, or the Plan a call ran
+        self._blocks = None        # a bound.Record, or an exact call's (n, its one bound)
         self._totals = [0, 0, 0, 0, 0.0]      # Stats' fields, summed
         self._lock = threading.Lock()
+        self.plans = {}
+
+    def keep(self, key, plan):
+        if self.log == "all":           # each call logged: no call skips the record
+            return
+        if len(self.plans) >= self.MOST_PLANS:
+            self.forget_plans()
+        self.plans[key] = plan
+
+    def forget_plans(self):
+        """Fold the plans' tallies into the totals and drop them (a freed
+        communicator's next call must meet the full checks)."""
+        with self._lock:
+            for p in self.plans.values():
+                self._add(self._totals, p)
+            self.plans.clear()
+
+    @staticmethod
+    def _add(t, p):
+        t[0] += p.calls
+        t[2] += p.calls * p.info.bytes_sent
+        t[3] += p.calls * p.uncompressed
+        t[4] += p.seconds
 
     def stats(self):
         with self._lock:
-            return Stats(*self._totals)
+            t = list(self._totals)
+            for p in list(self.plans.values()):
+                self._add(t, p)
+            return Stats(*t)
+
+    @property
+    def last(self):
+        got = self._last
+        if type(got) is not CallInfo and got is not None:     # a Plan: made when asked for
+            got = got.info._replace(seconds=got.last)
+        return got
+
+    @property
+    def blocks(self):
+        got = self._last
+        return self._blocks if type(got) is CallInfo or got is None else got.blocks
 
     def note(self, c, info, rec=None):
         """Note finished call c: ``info`` its CallInfo, ``rec`` its
         bound.Record (None for an exact call: its one bound, made a Record
         only if asked for).  Returns info."""
         if rec is None:
-            n = 0 if c.recv is OPAQUE else (
-                c.recv.size // self.P if c.what == "Reduce_scatter_block" and c.send is None
-                else c.recv.size)
-            rec = (n, info.error_bound)
+            rec = self.blocks_of(c, info)
         with self._lock:
             t = self._totals
             t[0] += 1
@@ -80,15 +120,26 @@ class Ledger:
             t[2] += info.bytes_sent
             t[3] += uncompressed_bytes(c.what, c.nbytes, self.P)
             t[4] += info.seconds
-            self.last, self.blocks = info, rec
-        if self.log:
-            what = "?" if c.recv is OPAQUE else f"{c.nbytes} B {c.recv.dtype.name}"
-            path = f"{info.method}/{info.wire}" if info.wire else info.method
-            op = "" if c.what == "Allgather" else f" {c.name.upper()}"
-            sys.stderr.write(f"equarx_mpi: {c.what} {what}{op} -> "
-                             f"{path} ({info.reason}), {info.seconds * 1e3:.3f} ms, "
-                             f"{info.bytes_sent} B sent\n")
+            self._last, self._blocks = info, rec
+        if self.log == "all":
+            self._write(info, "?" if c.recv is OPAQUE else f"{c.nbytes} B {c.recv.dtype.name}",
+                        c.name)
         return info
+
+    def blocks_of(self, c, info):
+        """An exact call's (n values of its result, its one bound)."""
+        n = 0 if c.recv is OPAQUE else (
+            c.recv.size // self.P if c.what == "Reduce_scatter_block" and c.send is None
+            else c.recv.size)
+        return n, info.error_bound
+
+    @staticmethod
+    def _write(info, what, opname):
+        path = f"{info.method}/{info.wire}" if info.wire else info.method
+        op = "" if info.call == "Allgather" else f" {opname.upper()}"
+        sys.stderr.write(f"equarx_mpi: {info.call} {what}{op} -> "
+                         f"{path} ({info.reason}), {info.seconds * 1e3:.3f} ms, "
+                         f"{info.bytes_sent} B sent\n")
 
 
 class Call:
@@ -96,9 +147,10 @@ class Call:
     ``bound_from``: where its error bound comes from (call/plan.py);
     ``bound``: the bound when known at preparation, else None;
     ``feedback``: an ErrorFeedback or None; ``budget``: the error-bounded
-    mode's tolerance.Budget of a quantized call, else None."""
+    mode's tolerance.Budget of a quantized call, else None; ``direct``: MPI's
+    own collective (or a copy) with nothing to agree or compute per call."""
     __slots__ = ("what", "send", "recv", "op", "name", "method", "reason", "nbytes", "bound",
-                 "bound_from", "feedback", "budget")
+                 "bound_from", "feedback", "budget", "direct")
 
     def __init__(self, what, send, recv, op, name, method, reason, nbytes, bound_from,
                  feedback=None):
@@ -106,6 +158,7 @@ class Call:
         self.name, self.method, self.reason, self.nbytes = name, method, reason, nbytes
         self.bound_from, self.feedback = bound_from, feedback
         self.bound = self.budget = None
+        self.direct = False
 
     def with_input(self, send):
         """The same call reducing ``send`` instead (error feedback's

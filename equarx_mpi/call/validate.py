@@ -39,9 +39,12 @@ def check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok=False):
     that every rank must share; count is the whole message (P*m values for
     the two halves).  Shapes need not agree between ranks, only counts (as
     in MPI).  With ``opaque_ok`` a buffer only MPI can read (device memory,
-    a derived datatype) gives recv = buffers.OPAQUE instead of an error."""
+    a derived datatype) gives recv = buffers.OPAQUE instead of an error.
+    With an error, recv is the recvbuf's values if they were read before
+    it (else None): what the call's path would have been."""
     in_place = is_in_place(sendbuf)
     reduces = what != "Allgather"
+    recv = None
     meta = [("call", what), ("op", op_name(op) if isinstance(op, MPI.Op) else "none")]
     try:
         if reduces and not isinstance(op, MPI.Op):
@@ -84,4 +87,4 @@ def check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok=False):
         return send, recv, meta, None
     except (TypeError, ValueError) as e:
         meta += [("count", "?"), ("dtype", "?")]
-        return None, None, meta, e
+        return None, None if recv is OPAQUE else recv, meta, e

@@ -19,22 +19,58 @@ SCHEDULES = {"ring": ring, "two_shot": two_shot}
 _PLAN_CACHE = 8
 
 
-def warm(fmt, kdtype):
-    """Compile (or load from numba's cache) every kernel the schedules use
-    for one format and element type, with the array layouts they use."""
-    src = np.zeros(2 * fmt.block + 3, kdtype)
+#: what each schedule runs, per kind of collective (ring.run, two_shot.run)
+NEEDS = {("ring", "allreduce"): ("encode", "decode_reduce_encode", "decode"),
+         ("ring", "reduce_scatter"): ("encode", "decode_reduce_encode", "decode_reduce"),
+         ("ring", "allgather"): ("encode", "decode"),
+         ("two_shot", "allreduce"): ("encode", "decode_reduce_encode_many", "decode"),
+         ("two_shot", "reduce_scatter"): ("encode", "decode_reduce_many")}
+
+
+def warm(fmt, kdtype, algorithm=None, kind=None, P=3, rmodes=None):
+    """Compile (or load from numba's cache) the kernels ``algorithm`` runs
+    for ``kind`` on P ranks with the roundings ``rmodes``, for one format
+    and element type, with the array layouts the schedules use; None:
+    every schedule's, and rounding to nearest only (the library's
+    defaults quantize only sums, rounded to nearest).  Only what a call
+    runs: a kernel signature costs up to a second to compile
+    (docs/PERFORMANCE.md "Cold start"); int8's kernels compile rounding to
+    nearest apart from the other roundings."""
+    if algorithm is None:
+        needs = {n for key, ns in NEEDS.items() for n in ns}
+        counts = (1, 2)
+    else:
+        needs = set(NEEDS[algorithm, kind])
+        # one received message (2 ranks) gives contiguous header views,
+        # more give strided ones: another signature
+        counts = (min(P - 1, 2),)
+    bound.warm((np.dtype(kdtype),))      # the tally's magnitude pass
+    n = 2 * fmt.block + 3
+    src = np.zeros(n, kdtype)
     src.flags.writeable = False
     out = np.zeros_like(src)
-    w = fmt.views(np.zeros(fmt.nbytes(src.size), np.uint8), src.size)
-    fmt.encode(src, w, ROUNDING["sum"])
-    fmt.decode(w, out)
-    if hasattr(fmt, "decode_reduce"):         # not "mixed": two-shot only
-        fmt.decode_reduce(src, w, out, KERNEL_OP["sum"])
-        fmt.decode_reduce_encode(src, w, w, KERNEL_OP["sum"], ROUNDING["sum"])
-    fmt.piece_error(w, ROUNDING["sum"])
-    if hasattr(fmt, "decode_reduce_many"):
-        two_shot.warm(fmt, kdtype)
-    bound.warm()
+    w = fmt.views(np.zeros(fmt.nbytes(n), np.uint8), n)
+    sum_, nearest = KERNEL_OP["sum"], ROUNDING["sum"]
+    # up stands for every rounding but nearest (the same kernels; up needs
+    # no stochastic stream)
+    rmodes = {nearest if r == nearest else ROUNDING["max"] for r in rmodes or (nearest,)}
+    if fmt.name == "mixed":
+        rmodes = (nearest,)                   # the mode rounds to nearest only
+    for rmode in rmodes:
+        fmt.encode(src, w, rmode)
+        if "decode_reduce_encode" in needs and hasattr(fmt, "decode_reduce_encode"):
+            fmt.decode_reduce_encode(src, w, w, sum_, rmode)
+    if "decode" in needs:
+        fmt.decode(w, out)
+    if "decode_reduce" in needs and hasattr(fmt, "decode_reduce"):   # not "mixed"
+        fmt.decode_reduce(src, w, out, sum_)
+    fmt.piece_error(w, nearest)
+    for count in counts if hasattr(fmt, "decode_reduce_many") else ():
+        stack = fmt.stack_views(np.zeros(count * fmt.nbytes(n), np.uint8), n, count)
+        if "decode_reduce_many" in needs:
+            fmt.decode_reduce_many(src, 1, stack, out, sum_)
+        for rmode in rmodes if "decode_reduce_encode_many" in needs else ():
+            fmt.decode_reduce_encode_many(src, 1, stack, w, sum_, rmode)
 
 
 class Engine:
@@ -52,6 +88,9 @@ class Engine:
         self.compile_first = compile_first
         self.P, self.rank = comm.Get_size(), comm.Get_rank()
         self._formats = {}
+        #: (algorithm, kind, element type, rounding to nearest) whose
+        #: kernels are compiled
+        self._warm = set()
         self._plans = collections.OrderedDict()
         self._ws = np.empty(0, np.uint8)
         self.record = None
@@ -121,12 +160,20 @@ class Engine:
         self._set_record(tally, fix, n, offset)
         return max(tally.finish(), fix)
 
-    def _format(self, kdtype):
+    def _format(self, kdtype, algorithm, kind, rmode, feedback):
         fmt = self._formats.get(kdtype.str)
         if fmt is None:
             fmt = formats.make_format(self.opts["wire"], self.opts["block_size"], kdtype)
-            in_turn(self.compile_first, self.comm, lambda: warm(fmt, kdtype))
             self._formats[kdtype.str] = fmt
+        # error feedback decodes what each quantization sent: every kernel
+        algorithm = None if feedback else algorithm
+        key = (algorithm, kind, kdtype.str, rmode == ROUNDING["sum"])
+        if key not in self._warm:
+            # every rank gets here in the same call: one rank per node
+            # compiles what this schedule runs, the others then load it
+            in_turn(self.compile_first, self.comm,
+                    lambda: warm(fmt, kdtype, algorithm, kind, self.P, (rmode,)))
+            self._warm.add(key)
         return fmt
 
     def _workspace(self, nbytes):
@@ -141,7 +188,8 @@ class Engine:
         flagged ranges and the bound.Tally."""
         own = kernel_view(own, writable=False)
         out = kernel_view(out, writable=True)
-        fmt = self._format(own.dtype)
+        rmode = rounding(name, self.opts["rounding"])
+        fmt = self._format(own.dtype, algorithm, kind, rmode, feedback is not None)
         biggest = max(length for _, length in shards) * own.dtype.itemsize
         chunks = pieces_per_shard(self.opts, self.one_node, biggest)
         schedule = SCHEDULES[algorithm]
@@ -155,7 +203,6 @@ class Engine:
                 self._plans.popitem(last=False)
         else:
             self._plans.move_to_end(key)
-        rmode = rounding(name, self.opts["rounding"])
         if rmode == ROUND_STOCHASTIC:
             fmt.begin_call(self.opts["seed"], self.rank, own, own_offset)
         fmt.budget = self.budget

@@ -28,11 +28,9 @@ still arriving, and the whole call was 1.13x-1.25x slower at 16-64 MiB
 (docs/results/two-shot-gather.txt); on shared memory the two were within
 noise at those sizes.
 """
-import numpy as np
 from mpi4py import MPI
 
 from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, fail, message_bytes
-from equarx_mpi.names import KERNEL_OP, ROUNDING
 
 TAG_SCATTER, TAG_GATHER = 11, 12
 
@@ -172,19 +170,3 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
         decode(p)
     MPI.Request.Waitall(sends)
     return flagged
-
-
-def warm(fmt, kdtype):
-    """Compile (or load from cache) the many-input kernels for one element
-    type, with the layouts ``run`` uses (one received message, at 2 ranks,
-    makes contiguous header views; more make strided ones)."""
-    n = 2 * fmt.block + 3
-    src = np.zeros(n, kdtype)
-    src.flags.writeable = False
-    out = np.zeros_like(src)
-    w = fmt.views(np.zeros(fmt.nbytes(n), np.uint8), n)
-    for count in (1, 2):
-        stack = fmt.stack_views(np.zeros(count * fmt.nbytes(n), np.uint8), n, count)
-        fmt.decode_reduce_many(src, 1, stack, out, KERNEL_OP["sum"])
-        fmt.decode_reduce_encode_many(src, 1, stack, w, KERNEL_OP["sum"],
-                                      ROUNDING["sum"])

@@ -64,10 +64,9 @@ from equarx_mpi.kernels.int8 import (  # noqa: E402,F401
     i8_decode,
     i8_decode_reduce,
     i8_decode_reduce_encode,
-    i8_decode_reduce_encode_many,
-    i8_decode_reduce_many,
     i8_encode,
 )
+from equarx_mpi.kernels.int8_many import i8_decode_reduce_encode_many, i8_decode_reduce_many  # noqa: E402,F401
 from equarx_mpi.kernels.mixed import META as MX_META  # noqa: E402,F401
 from equarx_mpi.kernels.mixed import mx_block_errors, mx_decode, mx_encode  # noqa: E402,F401
 from equarx_mpi.kernels.mixed_many import mx_decode_reduce_encode_many, mx_decode_reduce_many  # noqa: E402,F401

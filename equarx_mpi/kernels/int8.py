@@ -65,6 +65,8 @@ from equarx_mpi.kernels.stochastic import stochastic_code
 
 LEVELS = 127
 _U = np.uint64
+#: the stream of a call without stochastic rounding (any uint64: unused)
+_NO_STREAM = np.uint64(0)
 
 
 def tiny_lift(like):
@@ -147,6 +149,38 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
 
 
 @njit(inline='always', **CACHE)
+def emit_nearest(vals, off, m, max_u, header, b, codes, lo):
+    """emit for rounding to nearest only (the same code): the fused hops
+    compiled for nearest alone use it."""
+    zero = as_acc(header, 0)
+    if max_u >= abs_bits(as_acc(header, np.inf)):
+        header[b] = np.inf                       # flagged: Inf or NaN inside
+        for j in range(m):
+            codes[_U(lo + j)] = 0
+        return
+    if max_u == abs_bits(zero):
+        header[b] = zero
+        for j in range(m):
+            codes[_U(lo + j)] = sign_code(vals[_U(off + j)])
+        return
+    a = from_abs_bits(max_u, zero)
+    header[b] = a
+    tiny, lift = tiny_lift(zero)
+    levels = as_acc(header, LEVELS)
+    if a < tiny:
+        r = levels / (a * lift)
+    else:
+        lift = as_acc(header, 1)
+        r = levels / a
+    if lift == 1:
+        for j in range(m):
+            codes[_U(lo + j)] = np.int8(np.rint(vals[_U(off + j)] * r))
+    else:
+        for j in range(m):
+            codes[_U(lo + j)] = np.int8(np.rint((vals[_U(off + j)] * lift) * r))
+
+
+@njit(inline='always', **CACHE)
 def _directed(vals, off, m, lift, r, a, k, levels, codes, lo, up):
     """Ceiling (up) or floor codes, corrected so the decoded value never
     falls below (above) the value: the roundings of r and of the decode can
@@ -170,9 +204,20 @@ def _directed(vals, off, m, lift, r, a, k, levels, codes, lo, up):
             codes[_U(lo + j)] = np.int8(c)
 
 
+# The fused hops take rmode None for rounding to nearest (what a SUM runs
+# unless asked otherwise): numba then compiles them without the other
+# roundings' code, which halves their compile time (docs/PERFORMANCE.md
+# "Cold start"); the functions without the leading underscore pass it.
+
+def _mode(rmode):
+    return None if rmode == ROUND_NEAREST else rmode
+
+
 @njit(**KERNEL)
-def i8_encode(src, header, codes, block, scratch, rmode, stream=np.uint64(0)):
-    """(header, codes) = Q(src); ``stream`` keys stochastic rounding."""
+def i8_encode(src, header, codes, block, scratch, rmode, stream=_NO_STREAM):
+    """(header, codes) = Q(src); ``stream`` keys stochastic rounding.  One
+    kernel for every rounding: compiled for nearest alone, it ran 25%
+    slower on messages out of cache (bench kernels, 4M values)."""
     wide_vectors()
     n = src.size
     for b in range((n + block - 1) // block):
@@ -254,11 +299,7 @@ def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
 
 
 @njit(**KERNEL)
-def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode,
-                            stream=np.uint64(0)):
-    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop, one
-    pass per block; in place allowed (a block is read whole into scratch
-    before it is written)."""
+def _decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode, stream):
     wide_vectors()
     n = own.size
     k = as_acc(h_in, 1) / as_acc(h_in, LEVELS)
@@ -266,101 +307,16 @@ def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, r
         lo = b * block
         m = min(block, n - lo)
         max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, k, scratch)
-        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)
-
-
-# --- many inputs at once (the two-shot owner's reduction) ---------------------
-# The P-1 received messages of one piece lie back to back: ``heads`` is their
-# headers (one row per message, any layout), ``codes`` their whole bytes as a
-# C-contiguous 2-D int8 array whose codes start at column ``h``.  ``pos`` is
-# the owner's rank: inputs are reduced in rank order 0..P-1, the owner's own
-# raw values ``own`` in place ``pos`` and row t (t - 1 past pos) for the others.
-
-@njit(inline='always', **CACHE)
-def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
-    """scratch[:m] = the rank-order reduction of block b of every input;
-    returns its largest magnitude bits, or those of Inf (scratch then
-    unusable) when an input block is flagged or own holds Inf or NaN (a MAX
-    or MIN could otherwise drop an infinity: the block must stay flagged;
-    a SUM keeps them)."""
-    inf_u = abs_bits(as_acc(scratch, np.inf))
-    last = heads.shape[0]
-    for t in range(last):
-        if not abs(heads[t, b]) < np.inf:
-            return inf_u
-    mx = abs_bits(as_acc(scratch, 0))
-    if op != OP_SUM:
-        for j in range(m):
-            mx = max(mx, abs_bits(load(own, _U(lo + j))))
-        if mx >= inf_u:
-            return inf_u
-    for t in range(last + 1):
-        if t == pos:
-            if t == 0:
-                for j in range(m):
-                    scratch[j] = load(own, _U(lo + j))
-            elif op == OP_SUM:
-                for j in range(m):
-                    scratch[j] = scratch[j] + load(own, _U(lo + j))
-            else:
-                for j in range(m):
-                    scratch[j] = reduce2(op, scratch[j], load(own, _U(lo + j)))
-            continue
-        row = t if t < pos else t - 1
-        a = heads[row, b]
-        at = h + lo
-        if t == 0:
-            for j in range(m):
-                scratch[j] = (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
-        elif op == OP_SUM and t == last:     # the common last input: its maximum on the way
-            mx = abs_bits(as_acc(scratch, 0))
-            for j in range(m):
-                v = scratch[j] + (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
-                scratch[j] = v
-                mx = max(mx, abs_bits(v))
-            return mx
-        elif op == OP_SUM:
-            for j in range(m):
-                scratch[j] = scratch[j] + (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
+        if rmode is None:
+            emit_nearest(scratch, 0, m, max_u, h_out, b, c_out, lo)
         else:
-            for j in range(m):
-                v = (as_acc(scratch, codes[row, _U(at + j)]) * k) * a
-                scratch[j] = reduce2(op, scratch[j], v)
-    mx = abs_bits(as_acc(scratch, 0))
-    for j in range(m):
-        mx = max(mx, abs_bits(scratch[j]))
-    return mx
+            emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)
 
 
-@njit(**KERNEL)
-def i8_decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block, op,
-                                 scratch, rmode, stream=np.uint64(0)):
-    """(h_out, c_out) = Q(rank-order reduction of own and the messages),
-    one pass per block; a block flagged in any input ends flagged."""
-    wide_vectors()
-    n = own.size
-    k = as_acc(h_out, 1) / as_acc(h_out, LEVELS)
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        max_u = _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch)
-        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)
-
-
-@njit(**KERNEL)
-def i8_decode_reduce_many(own, pos, heads, codes, h, out, block, op, scratch, skipped):
-    """out = rank-order reduction of own and the messages, at full
-    precision; blocks flagged in any input, holding Inf/NaN in own, or
-    whose result does not fit out are skipped (left untouched).  Returns
-    their number; their indices are in skipped[:number]."""
-    wide_vectors()
-    n = own.size
-    k = as_acc(scratch, 1) / as_acc(scratch, LEVELS)
-    limit_u = abs_bits(out_limit(out))
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        flagged = keep_or_skip(out, lo, m, scratch, _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch),
-                               limit_u, b, skipped, flagged)
-    return flagged
+def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode,
+                            stream=_NO_STREAM):
+    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop, one
+    pass per block; in place allowed (a block is read whole into scratch
+    before it is written)."""
+    _decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, _mode(rmode),
+                          stream)

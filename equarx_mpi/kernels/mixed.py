@@ -186,18 +186,43 @@ def _emit16(vals, off, m, a, heads, h, codes, at):
         codes[_U(at + j)] = np.int16(np.rint((vals[_U(off + j)] * lift) * r))
 
 
-@njit(**CACHE)
+# The per-block encoders are called, not inlined (inline='always' retypes a
+# callee at every call site): each compiles once per element type, shared
+# by both kernels (docs/PERFORMANCE.md "Cold start").  Constant int
+# arguments are made int64: a literal type compiles one more signature.
+
+@njit(**KERNEL)
 def _emit4(vals, off, m, mx, heads, nh, codes):
-    """int4's emit, not inlined: inlined here, its store of an odd block's
-    last nibble was lost (numba 0.6x; see affine._put for the same)."""
+    """int4's emit (inlined here, its store of an odd block's last nibble
+    was lost: numba 0.6x; see affine._put)."""
+    wide_vectors()
     int4.emit(vals, off, m, mx, heads, nh, codes, 0, ROUND_NEAREST, np.uint64(0))
 
 
-@njit(inline='always', **CACHE)
+@njit(**KERNEL)
+def _emit8(vals, off, m, mx, heads, nh, codes):
+    wide_vectors()
+    int8.emit_nearest(vals, off, m, mx, heads, nh, codes, 0)
+
+
+@njit(**KERNEL)
+def _emit_affine(vals, off, m, heads, codes, levels, tcodes):   # INT4A: 15 levels, INT8A 255
+    wide_vectors()
+    affine.emit(vals, off, m, heads, 0, codes, 0, levels, tcodes, ROUND_NEAREST)
+
+
+@njit(**KERNEL)
+def _decode_affine(heads, codes, m, levels, dst):
+    wide_vectors()
+    affine._decode_block(heads, codes, 0, 0, m, levels, dst, 0)
+
+
+@njit(**KERNEL)
 def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tcodes):
     """Encode vals[off:off+m] (accumulation type) with the cheapest tag that
     fits, its payload at byte ``pay``, its headers at heads[nh:].  Returns
     (tag, bound of the block or -1 for FLAG, next payload byte, next head)."""
+    wide_vectors()
     asz = acc.itemsize
     mx, kmin, kmax = _stats(vals, off, m)
     zero = as_acc(acc, 0)
@@ -215,11 +240,10 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
     if tag == INT4:
         _emit4(vals, off, m, mx, heads, nh, i8[pay:])
     elif tag == INT8:
-        int8.emit(vals, off, m, mx, heads, nh, i8[pay:], 0, ROUND_NEAREST, np.uint64(0))
-    elif tag == INT4A:
-        affine.emit(vals, off, m, heads[nh:], 0, u8[pay:], 0, 15, tcodes, ROUND_NEAREST)
-    elif tag == INT8A:
-        affine.emit(vals, off, m, heads[nh:], 0, u8[pay:], 0, 255, tcodes, ROUND_NEAREST)
+        _emit8(vals, off, m, mx, heads, nh, i8[pay:])
+    elif tag == INT4A or tag == INT8A:
+        _emit_affine(vals, off, m, heads[nh:], u8[pay:], np.int64(15 if tag == INT4A else 255),
+                     tcodes)
     elif tag == INT16:
         _emit16(vals, off, m, from_abs_bits(mx, zero), heads, nh, i16, pay >> 1)
     else:
@@ -231,10 +255,11 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
     return tag, tag_bound(tag, h0, h1, u, eta), pay + pay_bytes(tag, m, asz), nh + n_heads(tag)
 
 
-@njit(inline='always', **CACHE)
+@njit(**KERNEL)
 def decode_block(tag, u8, i8, i16, acc, pay, hd, m, dst):
     """dst[:m] = the values of a block (not FLAG) whose payload starts at
     byte ``pay`` and headers at acc[hd:], in the accumulation type."""
+    wide_vectors()
     if tag == ZERO:
         for j in range(m):
             dst[j] = 0
@@ -259,10 +284,8 @@ def decode_block(tag, u8, i8, i16, acc, pay, hd, m, dst):
         at = pay >> 1
         for j in range(m):
             dst[j] = (as_acc(acc, i16[_U(at + j)]) * k) * a
-    elif tag == INT4A:
-        affine._decode_block(acc[hd:], u8[pay:], 0, 0, m, 15, dst, 0)
-    elif tag == INT8A:
-        affine._decode_block(acc[hd:], u8[pay:], 0, 0, m, 255, dst, 0)
+    elif tag == INT4A or tag == INT8A:
+        _decode_affine(acc[hd:], u8[pay:], m, np.int64(15 if tag == INT4A else 255), dst)
     else:
         at = pay // acc.itemsize
         for j in range(m):
@@ -299,14 +322,14 @@ def mx_encode(src, u8, i8, i16, acc, i64, f64, block, room, u, eta, scratch, hea
         lo = b * block
         m = min(block, n - lo)
         vals, off = acc_block(src, lo, m, scratch)
-        tag, bnd, pay, nh = emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc,
-                                       pay, heads, nh, scratch[block:])
+        tag, bnd, pay, nh = emit_block(vals, np.int64(off), m, room, u, eta, u8, i8, i16, acc,
+                                       pay, heads, np.int64(nh), scratch[block:])
         u8[META + b] = tag
         worst = max(worst, bnd)
     return _finish(u8, acc, i64, f64, pay, heads, nh, worst)
 
 
-@njit(inline='always', **CACHE)
+@njit(**KERNEL)
 def block_magnitude(tag, u8, acc, pay, hd, m):
     """A bound on |x| of block's values (float64): from its headers, or
     the largest raw value."""

@@ -30,7 +30,7 @@ from equarx_mpi.kernels.mixed import (
 _U = np.uint64
 
 
-@njit(inline='always', **CACHE)
+@njit(**KERNEL)
 def _reduce_many_block(own, pos, u8, i8, i16, acc, cur, b, lo, m, scratch, tmp):
     """scratch[:m] = the rank-order sum of block b of own (in place pos) and
     of every message (row t, t - 1 past pos), advancing each row's cursor
@@ -104,8 +104,8 @@ def mx_decode_reduce_encode_many(own, pos, u8, i8, i16, acc, i64, o8, oi8, oi16,
         if mx >= abs_bits(as_acc(scratch, np.inf)):
             o8[META + b] = FLAG
             continue
-        tag, bnd, pay, nh = emit_block(scratch, 0, m, room, u, eta, o8, oi8, oi16, oacc,
-                                       pay, heads, nh, scratch[2 * block:])
+        tag, bnd, pay, nh = emit_block(scratch, np.int64(0), m, room, u, eta, o8, oi8, oi16,
+                                       oacc, pay, heads, np.int64(nh), scratch[2 * block:])
         o8[META + b] = tag
         worst = max(worst, bnd)
     return _finish(o8, oacc, oi64, of64, pay, heads, nh, worst)

@@ -258,6 +258,11 @@ class Model:
         self.profile, self.nodes, self.rpn = profile, nodes, rpn
         self.wire, self.block, self.chunks = wire, block, chunks
         self._hw, self._wire_bytes, self._ratios, self._tables = {}, {}, {}, {}
+        #: below the smallest size any layout measured the model only
+        #: extrapolates (at 8 B it puts MPI at tens of microseconds, where
+        #: MPI's latency-bound algorithms take one or two)
+        self.measured_from = min((lay["sizes"][0] for lay in profile["layouts"].values()
+                                  if lay.get("sizes")), default=0)
 
     def hw(self, dtype_name):
         h = self._hw.get(dtype_name)

@@ -16,7 +16,6 @@ from equarx_mpi.bench.common import (
 )
 from equarx_mpi.bench.methods import METHODS
 from equarx_mpi.call import options, policy
-from equarx_mpi.call.policy import LOSSY_MARGIN
 from equarx_mpi.model import costmodel, profiles
 from equarx_mpi.names import Layout
 from equarx_mpi.wire.formats import default_block
@@ -106,7 +105,8 @@ def predict(argv=None):
           f"# mpi = an ideal exact ring or recursive doubling at the link rate (the better); "
           f"accuracy {a.accuracy}")
     print("# columns: ranks, ranks/node, link, size/rank, time [ms] per method, auto's pick "
-          f"(mpi unless a quantized method is {LOSSY_MARGIN - 1:.0%} faster), its error, "
+          f"(mpi unless a quantized method is {options.DEFAULTS['lossy_margin'] - 1:.0%} faster), "
+          "its error, "
           "speedup over mpi")
     print(f"#{'ranks':>6} {'rpn':>4} {'link':>8} {'size':>9} {'mpi':>9} {'ring':>9} "
           f"{'two_shot':>9} {'hier':>9} {'auto':>13} {'error':>6} {'speedup':>8}")
@@ -132,6 +132,7 @@ class _Predicted:
 
     def __init__(self, times, model):
         self.times, self.model = times, model
+        self.measured_from = model.measured_from
 
     def time(self, method, nbytes, itemsize, dtype_name="float32"):
         return self.times[method]

@@ -1,0 +1,140 @@
+"""How QuantizedComm runs a prepared call (call/records.Call): the
+method's runner (_RUN) on the library's communicator, with its error
+bound and its record; MPI's own calls made by a wrapped communicator
+(_timed); the parts made on first use (the window, the hierarchy)."""
+import math
+import time
+
+import numpy as np
+
+from equarx_mpi.bounds import bound
+from equarx_mpi.call import plan
+from equarx_mpi.call.records import CallInfo, uncompressed_bytes
+from equarx_mpi.collectives import exact
+from equarx_mpi.collectives.engine import Engine
+from equarx_mpi.names import between_nodes
+
+
+class Running:
+    """QuantizedComm's half that runs calls (comm.py prepares them)."""
+
+    def _execute(self, c):
+        """Run a prepared call on the library's communicator; its CallInfo."""
+        fb = c.feedback
+        if fb is None:
+            return self._run(c)
+        # the residual joins the input (not in place any more: the caller's
+        # values stay as they are until the result lands in recv); the bound
+        # still holds against the caller's values: each rank's input moved
+        # by at most e_own
+        own = c.recv if c.send is None else c.send
+        info = self._run(c.with_input(fb.begin(own)), fb.moved(own))
+        fb.end(c.recv)
+        return info
+
+    def _run(self, c, e_own=0.0):
+        """_execute without the feedback's part: the method's runner (_RUN);
+        ``e_own`` bounds how far this rank's values are from the caller's."""
+        t0 = time.perf_counter()
+        comms = (self._comm,) + ((self._hierarchy()[0].inter,)
+                                 if c.method == "hierarchical" else ())
+        sent0, polite = sum(m.sent for m in comms), self._exec.in_thread()
+        for m in comms:
+            m.polite = polite
+        fixed, err, rec = _RUN[c.method](self, c, e_own)
+        sent = sum(m.sent for m in comms) - sent0 if c.quantize else \
+            uncompressed_bytes(c.what, c.nbytes, self._size)
+        return self._record(c, self._info(c, fixed, sent, time.perf_counter() - t0, err), rec)
+
+    def _info(self, c, fixed, sent, seconds, err):
+        return CallInfo(c.what, c.method, self.wire if c.quantize else None, c.reason, fixed,
+                        sent, seconds, math.inf if err is None else err)
+
+    # --- the runners, one per method: (values fixed up, bound, bound.Record) -----
+    def _exact_bound(self, c, e_own):
+        """An exact call's bound, before it runs (it may overwrite its input)."""
+        if c.bound_from == plan.AT_RUN:
+            return exact.bound_now(self._comm, c.what, c.name, c.send, c.recv, e_own)
+        return c.bound
+
+    def _copy(self, c, e_own):
+        if c.send is not None:
+            c.recv[...] = c.send
+        return 0, self._exact_bound(c, e_own), None
+
+    def _mpi(self, c, e_own):
+        err = self._exact_bound(c, e_own)
+        if c.what == "Allgather":
+            exact.gather(self._comm, c.send, c.recv)
+        else:
+            exact.collective(self._comm, c.what, c.send, c.recv, c.op)
+        return 0, err, None
+
+    def _shm(self, c, e_own):
+        err = self._exact_bound(c, e_own)
+        most = self._window().allreduce(c.send, c.recv, c.op)
+        if c.bound_from == plan.WINDOW:
+            err = exact.error_bound(c.what, c.name, c.recv.dtype, self._size, most)
+        return 0, err, None
+
+    def _schedule(self, c, e_own):
+        """The ring or two-shot: the engine, with the call's budget."""
+        e = self._engine
+        e.budget = c.budget
+        if c.what == "Allgather":
+            got = e.allgather(c.send, c.recv)
+        elif c.what == "Reduce_scatter_block":
+            got = e.reduce_scatter(c.method, c.send, c.recv, c.name, c.op)
+        else:
+            got = e.allreduce(c.method, c.send, c.recv, c.name, c.op, e_own, c.feedback)
+        return got + (e.record,)
+
+    def _hierarchical(self, c, e_own):
+        self._engine.budget = c.budget
+        hier, between = self._hierarchy()
+        B = self.block_size
+
+        def across(comm, mine, e_own):
+            # flagged blocks are left to the hierarchy: MPI reduces them from
+            # every rank's input, not from the node results
+            return between.allreduce(between_nodes(self.wire), None,
+                                     mine.reshape(-1), c.name, c.op, e_own, fix_up=False)
+        err, slices, fixed = hier.allreduce(c.recv if c.send is None else c.send, c.recv, c.op,
+                                            across, B)
+        rec = bound.Record(c.recv.size, B, [(lo, hi, np.full(-(-(hi - lo) // B), b))
+                                            for lo, hi, b in slices if hi > lo])
+        return fixed, err, rec
+
+    def _timed(self, c, fn):
+        """fn(): MPI's own call for c, made by a wrapped communicator with
+        the caller's arguments (or a nonblocking one started); recorded like
+        any call, after the calls queued before it, so that last_call is the
+        last call made once they finish."""
+        t0 = time.perf_counter()
+        result = fn()
+        info = self._info(c, 0, uncompressed_bytes(c.what, c.nbytes, self._size),
+                          time.perf_counter() - t0, c.bound)._replace(method="mpi")
+        self._exec.note(lambda i: self._record(c, i), info)
+        return result
+
+    def _window(self):
+        """The shared window of the exact one-node method (made on first use)."""
+        if self._shm is None:
+            from equarx_mpi.collectives.shm import ShmAllreduce
+            self._shm = ShmAllreduce(self._comm)
+        return self._shm
+
+    def _hierarchy(self):
+        """The node-aware schedule and the engine between nodes (made on
+        first use)."""
+        if self._hier is None:
+            from equarx_mpi.collectives.hierarchical import Hierarchy
+            self._hier = Hierarchy(self._comm)
+            self._between = Engine(self._hier.inter, self.options, False, self._compile_first)
+        return self._hier, self._between
+
+
+#: method -> its runner
+_RUN = {"copy": Running._copy, "mpi": Running._mpi, "shm": Running._shm,
+        "ring": Running._schedule, "two_shot": Running._schedule,
+        "hierarchical": Running._hierarchical}
