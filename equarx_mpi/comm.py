@@ -16,7 +16,7 @@ from mpi4py import MPI
 from equarx_mpi.bounds import bound, tolerance
 from equarx_mpi.call import options, plan, policy
 from equarx_mpi.call.agree import abort_on_exception, agree, raise_agreed
-from equarx_mpi.call.buffers import OPAQUE
+from equarx_mpi.call.buffers import OPAQUE, is_in_place
 from equarx_mpi.call.nonblocking import FREED, Executor, PersistentRequest
 from equarx_mpi.call.plans import Plan, signature
 from equarx_mpi.call.records import Call, CallInfo, Ledger, Stats, uncompressed_bytes  # noqa: F401 (public here)
@@ -134,8 +134,9 @@ class QuantizedComm(Running):
         precise reduction of the inputs as given; the same float on every
         rank (for Reduce_scatter_block: over every rank's result).  0 where
         the result is exact (one rank, MAX, MIN, integers, Allgather
-        through MPI); Inf where none is known (an exact float SUM through MPI with
-        check=False or through MPI's own persistent request, PROD).
+        through MPI); Inf where none is known: an exact float SUM through
+        MPI unless exact_bounds=True (then check=True computes it), or
+        through a wrapped communicator's own persistent request; PROD.
         None before the first call.  docs/ERROR.md derives it."""
         info = self.last_call
         return None if info is None else info.error_bound
@@ -211,8 +212,8 @@ class QuantizedComm(Running):
             self._exec.drain()
         t0 = perf_counter()
         if p.copy:
-            if not p.in_place:
-                recvbuf[...] = sendbuf
+            if not p.in_place:          # the same size, maybe another shape (as MPI)
+                recvbuf.reshape(-1, order="A")[...] = sendbuf.reshape(-1, order="A")
         else:
             self._comm.Allreduce(_IN_PLACE if p.in_place else sendbuf, recvbuf, op)
         p.last = t = perf_counter() - t0
@@ -299,34 +300,34 @@ class QuantizedComm(Running):
         send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok)
         name = "sum" if what == "Allgather" else (
             op_name(op) if isinstance(op, MPI.Op) else None)
-        if err is not None:
-            self._refuse(what, name, recv, meta, err, feedback is not None, opaque_ok)
-        known = recv is not OPAQUE
-        nbytes = dict(meta)["count"] * recv.dtype.itemsize if known else 0
-        if not known:
-            method, reason = "mpi", "device memory or a derived datatype: MPI unchanged"
-        elif nbytes == 0:
-            method, reason = ("copy" if P == 1 else "mpi"), "empty message"
+        fb = feedback is not None
+        if err is None:
+            nbytes = dict(meta)["count"] * recv.dtype.itemsize if recv is not OPAQUE else 0
+        elif recv is not None and name is not None:     # the path the call would take
+            whole = what == "Reduce_scatter_block" and not is_in_place(sendbuf)
+            nbytes = recv.size * (P if whole else 1) * recv.dtype.itemsize
         else:
-            method, reason = self._choose(what, name, recv.dtype, nbytes,
-                                          feedback is not None, opaque_ok, self._exact > 0)
-        if feedback is not None and err is None:
+            raise err               # its path unknown here: raised here, as mpi4py does
+        method, reason, source, tolerant = self._path(what, name, recv, nbytes, fb, opaque_ok,
+                                                      persistent, quiet=err is not None)
+        direct = method in ("mpi", "copy") and source in (plan.FIXED, plan.UNKNOWN) and not fb
+        if err is not None:
+            # the others agree exactly where this call's path is the library's own
+            if self.check and not direct:
+                agree(self._ctl, what, meta + [("feedback", int(fb)), ("method", method)], err)
+            raise err
+        known = recv is not OPAQUE
+        dtype = recv.dtype if known else None
+        if fb:
             err = feedback_error(feedback, name, recv, method)
-        dtype = recv.dtype if known and err is None else None
-        later = persistent or feedback is not None
-        tolerant = bool(self._tolerant and nbytes and exact.sums_floats(what, name, dtype, P))
-        if tolerant and later and err is None:
+        if tolerant and (persistent or fb) and err is None:
             err = ValueError(tolerance.NOT_PERSISTENT)
-        source = plan.bound_source(what, name, dtype, P, method, nbytes, later,
-                                   self.check and self.options["exact_bounds"],
-                                   feedback is not None, tolerant)
         most = None
         if (source == plan.AGREED or tolerant) and self.check:
             most = exact.largest(recv if send is None else send)
-        meta = meta + [("feedback", int(feedback is not None))]
+        meta = meta + [("feedback", int(fb))]
         c = Call(what, send, recv, op, name, method, reason, nbytes, source, feedback)
-        c.direct = method in ("mpi", "copy") and source in (plan.FIXED, plan.UNKNOWN) \
-            and feedback is None
+        c.direct = direct
         # MPI's own path agrees on nothing: a rank that kept its plan does not either
         if self.check and (err is not None or not c.direct):
             most = agree(self._ctl, what, meta + [("method", method)], err, most)
@@ -339,18 +340,25 @@ class QuantizedComm(Running):
                                                                          most)
         return c
 
-    def _refuse(self, what, name, recv, meta, err, feedback, opaque_ok):
-        """Raise ``err``, an argument error found on this rank: on every rank
-        (agreed, check=True) if the call would have taken the library's own
-        path, where the others agree too; else here, as mpi4py does, since
-        on MPI's own path they agree on nothing (docs/ROBUSTNESS.md)."""
-        ours = feedback or self._tolerant or self.options["exact_bounds"]
-        if not ours and recv is not None and recv.size and name is not None and self._size > 1:
-            ours = self._choose(what, name, recv.dtype, recv.nbytes, False, opaque_ok,
-                                self._exact > 0)[0] not in ("mpi", "copy")
-        if self.check and ours:
-            agree(self._ctl, what, meta + [("feedback", int(feedback)), ("method", "?")], err)
-        raise err
+    def _path(self, what, name, recv, nbytes, fb, opaque_ok, persistent, quiet=False):
+        """(method, reason, where its bound comes from, tolerant) of a call
+        on ``recv`` (OPAQUE: a buffer only MPI can read) of ``nbytes``;
+        ``fb``: with error feedback; ``quiet``: no lossy log line (a call
+        refused for its arguments)."""
+        P = self._size
+        known = recv is not OPAQUE
+        if not known:
+            method, reason = "mpi", "device memory or a derived datatype: MPI unchanged"
+        elif nbytes == 0:
+            method, reason = ("copy" if P == 1 else "mpi"), "empty message"
+        else:
+            method, reason = self._choose(what, name, recv.dtype, nbytes, fb, opaque_ok,
+                                          self._exact > 0, quiet=quiet)
+        dtype = recv.dtype if known else None
+        tolerant = bool(self._tolerant and nbytes and exact.sums_floats(what, name, dtype, P))
+        source = plan.bound_source(what, name, dtype, P, method, nbytes, persistent or fb,
+                                   self.check and self.options["exact_bounds"], fb, tolerant)
+        return method, reason, source, tolerant
 
     def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
         """The smallest message (bytes per rank) from which calls of this

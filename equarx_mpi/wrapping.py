@@ -46,6 +46,7 @@ persistent request counts as a call (MPI.Prequest.Startall does not record).
 Every rank of comm must call wrap() (it is collective); options are those
 of QuantizedComm, and EQUARX_MPI_<OPTION> / EQUARX_MPI_DISABLE apply.
 """
+import contextlib
 import functools
 from time import perf_counter
 
@@ -192,6 +193,7 @@ class _Wrapped:
     # method that made them sets the options (_rewrap), else the defaults hold.
     _eq_opts = {}
     _eq_qc = None
+    _eq_exact = 0       # depth of exact() blocks
     _eq_const = False           # wrap() of mpi4py's constant: free() is a no-op
     _eq_past = (Stats(), None)  # stats, last_call from before the last free()
 
@@ -227,6 +229,7 @@ class _Wrapped:
         (collective: only ever from a collective call)."""
         if self._eq_qc is None:
             self._eq_qc = QuantizedComm(_mpi_class(type(self))(self), **self._eq_opts)
+            self._eq_qc._exact = self._eq_exact      # made inside exact(): still exact
         return self._eq_qc
 
     @property
@@ -255,15 +258,28 @@ class _Wrapped:
         qc._timed(c, lambda: mpi_call(_send_arg(c, sendbuf)))
         return c
 
+    @contextlib.contextmanager
     def exact(self):
         """``with comm.exact(): ...``: the calls inside are exact, whatever
-        the options (QuantizedComm.exact; every rank enters it)."""
-        return self._equarx().exact()
+        the options (QuantizedComm.exact); every rank enters it.  Local: the
+        depth lives here too, so a QuantizedComm made inside (first use, or
+        after free() of a wrapped constant) is exact as well."""
+        self._eq_exact += 1
+        try:
+            if self._eq_qc is not None:
+                self._eq_qc._exact = self._eq_exact
+            yield self
+        finally:
+            self._eq_exact -= 1
+            if self._eq_qc is not None:
+                self._eq_qc._exact = self._eq_exact
 
     def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
-        """The smallest message (bytes per rank) from which this
-        communicator's calls of this kind travel quantized, or None
-        (QuantizedComm.crossover, for a wrapped communicator's calls)."""
+        """The smallest message (bytes per rank, on QuantizedComm.crossover's
+        grid) from which this communicator's calls of this kind travel
+        quantized, or None.  Local, but collective the first time on a
+        communicator made from a wrapped one (Dup, Split, ...) before its
+        first reduction: that makes the library's part."""
         return self._equarx()._choose.crossover(what, op_name(op), np.dtype(dtype), upto,
                                                 wrapped=True)
 

@@ -277,9 +277,9 @@ def test_lossy_only_where_predicted_lossy_margin_faster(margin):
         for alg in ("auto", "ring", "two_shot"):
             for n in SIZES:
                 (meth, why), m = _choose(nodes, rpn, n, algorithm=alg, lossy_margin=margin)
-                t_exact = m.time("mpi", n, 4)
+                t_exact = m.time("mpi", n, 4)       # lossy must beat the fastest exact
                 if alg == "auto" and nodes == 1 and n >= policy.WINDOW_FROM:
-                    t_exact = min(t_exact, m.time("shm", n, 4) * margin)
+                    t_exact = min(t_exact, m.time("shm", n, 4))
                 if meth in LOSSY:
                     assert n >= m.measured_from and m.time(meth, n, 4) * margin <= t_exact, \
                         (nodes, rpn, alg, n, why)
@@ -300,8 +300,8 @@ def test_min_quantized_bytes_is_a_floor_for_auto():
 
 def test_chooser_remembers_and_finds_the_crossover():
     o = options.resolve(dict(algorithm="auto"))
-    m = costmodel.Model(profiles.builtin(), 1, 4, "int8", 256)
-    c = policy.Chooser(o, 4, layout(1, 4), m)
+    m = costmodel.Model(profiles.builtin(), 4, 1, "int8", 256)
+    c = policy.Chooser(o, 4, layout(4, 1), m)
     x = c.crossover("Allreduce", "sum", np.dtype(np.float32), 1 << 31)
     assert x is not None and x > 1024 and c("Allreduce", "sum", np.dtype(np.float32), x)[0] in LOSSY
     assert c("Allreduce", "sum", np.dtype(np.float32), x * 3 // 4)[0] in policy.EXACT

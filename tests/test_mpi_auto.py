@@ -210,12 +210,13 @@ def test_halves_under_auto():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("opts", [dict(algorithm="shm"), dict(exact_bounds=True)],
-                         ids=["shm", "exact_bounds"])
+@pytest.mark.parametrize("opts", [dict(algorithm="shm", exact_bounds=True),
+                                  dict(exact_bounds=True)], ids=["shm", "exact_bounds"])
 def test_an_error_on_one_rank_is_raised_everywhere(opts):
     """Rank 1's bad buffer leaves it without a method while the others take
     a path the library agrees on (the window; an exact sum whose bound the
-    agreement carries): the agreement must still raise, not hang."""
+    agreement carries, also where "shm" falls back to MPI: faked layouts):
+    the agreement must still raise, not hang."""
     x = np.ones(100, np.float32)
     out = np.empty_like(x)
     if WORLD.Get_rank() == 1:

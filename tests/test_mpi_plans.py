@@ -156,3 +156,59 @@ def test_each_kind_of_lossy_call_is_logged_once(capfd, monkeypatch):
     want = 2 if WORLD.Get_rank() == 0 else 0
     everywhere(len(lines) == want and "12000 B float32 SUM" in lines[0] if want else
                not lines, f"{lines}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_error_on_mpis_path_is_raised_there_without_waiting():
+    """MPI's own path agrees on nothing, also with exact_bounds (which only
+    float sums need): a rank whose integer or MAX call is bad raises at
+    once, as mpi4py does, instead of waiting in an agreement the others
+    never join (here the others make no call at all)."""
+    with QuantizedComm(WORLD, exact_bounds=True) as qc:
+        for x, op in ((np.ones(8, np.int32), MPI.SUM), (np.ones(8, np.float32), MPI.MAX)):
+            out = np.empty_like(x)
+            out.flags.writeable = False
+            if WORLD.Get_rank() == 1:
+                with pytest.raises(ValueError, match="read-only"):
+                    qc.Allreduce(x, out, op)
+            WORLD.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_half_refused_on_one_rank_near_the_floor_raises_everywhere():
+    """A Reduce_scatter_block's size is its whole input (P*m values), also
+    when judging the path of a call refused on one rank: every rank is on
+    the library's path and raises."""
+    m = 4
+    with QuantizedComm(WORLD, algorithm="ring", min_quantized_bytes=P * m * 4) as qc:
+        out = np.empty(m, np.float32)
+        if WORLD.Get_rank() == 1:
+            out.flags.writeable = False
+        raises_everywhere(ValueError, lambda: qc.Reduce_scatter_block(
+            np.ones(P * m, np.float32), out), "read-only")
+
+
+def test_a_planned_copy_keeps_mpis_shapes():
+    """One rank: the plan's copy takes a recvbuf of another shape of the
+    same size, as MPI (and the first, fully checked call) does."""
+    with QuantizedComm(MPI.COMM_SELF) as qc:
+        for _ in range(3):
+            out = np.empty(8)
+            qc.Allreduce(np.arange(8.0).reshape(2, 4), out)
+            assert (out == np.arange(8.0)).all()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_exact_survives_a_free_of_a_wrapped_constant():
+    w = equarx_mpi.wrap(MPI.COMM_WORLD, algorithm="ring", min_quantized_bytes=0)
+    x = np.random.default_rng(WORLD.Get_rank()).standard_normal(5000)
+    with w.exact():
+        w.Allreduce(x, np.empty_like(x))
+        w.free()                      # a wrapped COMM_WORLD: only the library's part goes
+        out = np.empty_like(x)
+        w.Allreduce(x, out)           # a new QuantizedComm, made inside the block
+        everywhere(w.last_call.method == "mpi" and np.array_equal(out, _mpi(x)),
+                   f"{w.last_call}")
+    w.Allreduce(x, out)
+    everywhere(w.last_call.wire == "int8", "lossy again after the block")
+    w.free()

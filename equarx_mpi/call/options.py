@@ -64,7 +64,13 @@ def logging():
     """EQUARX_MPI_LOG: "1" logs each call's decision on rank 0, "lossy" (the
     default) each new lossy decision, "0" none."""
     t = os.environ.get(ENV_PREFIX + "LOG", "lossy").strip().lower()
-    return "none" if t in ("", "0") else "lossy" if t == "lossy" else "all"
+    if t in ("", "0", "none", "off", "false", "no"):
+        return "none"
+    if t in ("1", "all", "on", "true", "yes"):
+        return "all"
+    if t != "lossy":
+        warnings.warn(f"ignoring {ENV_PREFIX}LOG={t!r}: 0, lossy or 1", stacklevel=2)
+    return "lossy"
 
 
 def _parse_env(name, text):

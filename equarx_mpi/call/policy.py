@@ -71,8 +71,10 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
     margin = opts["lossy_margin"]
     # MPI's own unless another method clearly pays, within what the model measured
     known = nbytes >= model.measured_from
-    best_exact = "shm" if window and nbytes >= WINDOW_FROM and t("shm") * margin <= t("mpi") \
-        else "mpi"
+    window = window and nbytes >= WINDOW_FROM
+    best_exact = "shm" if window and t("shm") * margin <= t("mpi") else "mpi"
+    # lossy must beat the fastest exact method, the window too where it may run
+    fastest_exact = min(["mpi", "shm"], key=t) if window else "mpi"
     why_exact = _exact_op(opts, what, opname)
     # stochastic rounding has twice the error variance of nearest (costmodel)
     rmode = "stochastic" if rounding(opname, opts["rounding"]) == ROUND_STOCHASTIC else "nearest"
@@ -92,9 +94,9 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
         return best_exact, (f"{alg}: {nbytes} bytes is below the smallest size the profile "
                             f"measured ({model.measured_from}): MPI's own")
     best = lossy[0] if alg != "auto" else near_fastest(lossy, t, error)
-    if t(best) * margin > t(best_exact):
+    if t(best) * margin > t(fastest_exact):
         return best_exact, (f"{alg}: lossy is not predicted {margin:g}x faster than exact: "
-                            f"{_predicted(times, best_exact)}, {_predicted(times, best)}")
+                            f"{_predicted(times, fastest_exact)}, {_predicted(times, best)}")
     return best, (f"{alg}: {_predicted(times, best)}, error {error(best):.2%}; "
                   f"{_predicted(times, best_exact)}")
 
@@ -198,11 +200,15 @@ class Chooser:
         self._seen, self._told, self.tell = {}, set(), tell
 
     def __call__(self, what, opname, dtype, nbytes, feedback=False, wrapped=False,
-                 exact=False):
-        """(method, reason); ``exact``: inside comm.exact()."""
+                 exact=False, quiet=False):
+        """(method, reason); ``exact``: inside comm.exact(); ``quiet``: not
+        told (a call refused for its arguments)."""
         key = (what, opname, dtype, nbytes, feedback, wrapped, exact)
         got = self._choose(key)
-        if self.tell is not None and got[0] not in EXACT and key not in self._told:
+        if self.tell is not None and not quiet and got[0] not in EXACT \
+                and key not in self._told:
+            if len(self._told) >= 1024:        # a line per kind, at most 1024 remembered
+                self._told.clear()
             self._told.add(key)
             self.tell(key, *got)
         return got
