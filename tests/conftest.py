@@ -1,7 +1,21 @@
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="module")
+def w():
+    """A wrapped COMM_WORLD that quantizes every float SUM's size
+    (test_mpi_wrap*.py)."""
+    from mpi4py import MPI
+
+    import equarx_mpi
+    c = equarx_mpi.wrap(MPI.COMM_WORLD, min_quantized_bytes=0)
+    yield c
+    c.free()            # frees the library's duplicates; WORLD's own handle stays
 
 
 def pytest_configure(config):

@@ -34,11 +34,6 @@ def bits(a):
     return np.asarray(a).reshape(-1, order="A").view(np.uint8).tobytes()
 
 
-@pytest.fixture(scope="module")
-def w():
-    c = equarx_mpi.wrap(WORLD, min_quantized_bytes=0)
-    yield c
-    c.free()            # frees the library's duplicates; WORLD's own handle stays
 
 
 # --- buffers ------------------------------------------------------------------------

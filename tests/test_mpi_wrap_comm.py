@@ -7,32 +7,11 @@ constant's free(), pickling and handles (mpi4py's object model).
 import pickle
 
 import numpy as np
-import pytest
 from mpi4py import MPI
 from mpi_helpers import WORLD, everywhere, raises_everywhere
+from test_mpi_wrap import RANK, P, bits, data, mpi, mpi2
 
 import equarx_mpi
-
-mpi = pytest.mark.mpi(min_size=1)
-mpi2 = pytest.mark.mpi(min_size=2)
-P, RANK = WORLD.Get_size(), WORLD.Get_rank()
-N = 3000
-
-
-def data(n=N, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed + RANK).standard_normal(n).astype(dtype)
-
-
-def bits(a):
-    return np.asarray(a).reshape(-1, order="A").view(np.uint8).tobytes()
-
-
-@pytest.fixture(scope="module")
-def w():
-    c = equarx_mpi.wrap(WORLD, min_quantized_bytes=0)
-    yield c
-    c.free()            # frees the library's duplicates; WORLD's own handle stays
-
 
 # --- it is the communicator -------------------------------------------------------
 
