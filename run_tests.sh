@@ -48,6 +48,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export OMPI_MCA_rmaps_base_oversubscribe=1
 export PYTHONDONTWRITEBYTECODE=1
+# one BLAS thread per rank: up to 8 ranks share 2 cores (equarx_mpi/threads.py
+# would warn about the default of one BLAS thread per core in every rank)
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 PYTEST=("$PY" -m pytest -p no:cacheprovider -q --timeout=600 -W error::pytest.PytestUnraisableExceptionWarning)
 
 # --- lint: errors, unused names, import order (ruff.toml) --------------------------
@@ -95,6 +98,9 @@ run_ranks() {
 for n in $RANKS; do
     run_mpi "$n" "MPI tests at $n rank(s)" -m "mpi and not large" tests
 done
+# Rabenseifner on 5 ranks: the fold onto 4 and two halving steps
+run_mpi 5 "rabenseifner at 5 ranks (folded onto 4)" -m "mpi and not large" \
+    tests/test_mpi_rabenseifner.py
 
 # --- node-aware schedules on faked node layouts (A nodes of B ranks) -----------------
 for layout in ${LAYOUTS:-2x2 2x3 4x2}; do

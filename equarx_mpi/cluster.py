@@ -40,6 +40,9 @@ DEFAULT_BTL = "self,sm,tcp"
 DEFAULT_COLL = "^han"
 DEFAULT_BURST = "1mb"
 DEFAULT_LATENCY = "20ms"
+#: one thread each per rank: the emulated hosts share this machine's cores
+THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
+              "EQUARX_MPI_THREADS")
 
 def parse_latency(text):
     """Validated tc latency (us, ms or s: common.parse_latency), returned as
@@ -190,6 +193,10 @@ def launch_env(base=None):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    # One thread per rank, unless the user says: each emulated host sees every core, and
+    # idle BLAS threads busy-wait after each matmul (docs/CLUSTER.md "Threads").
+    for name in THREAD_ENV:
+        env.setdefault(name, "1")
     return env
 
 

@@ -29,6 +29,8 @@ from equarx_mpi.feedback import check as feedback_error
 from equarx_mpi.model import costmodel, profiles
 from equarx_mpi.names import BFLOAT16
 from equarx_mpi.running import Running
+from equarx_mpi.threads import check as check_threads
+from equarx_mpi.wire.threaded import default_threads
 
 _IN_PLACE = MPI.IN_PLACE
 
@@ -90,11 +92,15 @@ class QuantizedComm(Running):
         # (engine.py); nothing is compiled before a call needs it
         local = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         compile_first = local.Get_rank() == 0
+        #: threads per rank running each kernel (option threads)
+        self.threads = o["threads"] or default_threads(local.Get_size())
         local.Free()
         node = split_nodes(self._comm)      # the real node, or a faked layout
         #: where the ranks are (the same on every rank)
         self.layout = layout(self._comm, node)[0]
         node.Free()
+        if compile_first:       # one warning per node: its first rank
+            check_threads(self.layout.ranks_per_node, self.threads)
         #: all ranks on one node (shared memory)
         self.one_node = self.layout.one_node
         #: the profile algorithm="auto" and the crossovers decide with, and
@@ -102,12 +108,15 @@ class QuantizedComm(Running):
         self.profile, self.profile_source = profiles.agreed(self._comm)
         P = self._comm.Get_size()
         # P // nodes, not this node's size: the same on every rank
+        # each rank's own count may differ (its cores, its environment):
+        # the model must answer alike everywhere
         model = costmodel.Model(self.profile, self.layout.nodes, P // self.layout.nodes,
-                                o["wire"], o["block_size"], o["chunks"])
+                                o["wire"], o["block_size"], o["chunks"],
+                                threads=self._comm.allreduce(self.threads, op=MPI.MIN))
         log = options.logging() if self._comm.Get_rank() == 0 else "none"
         self._choose = policy.Chooser(o, P, self.layout, model,
                                       _tell_lossy if log == "lossy" else None)
-        self._engine = Engine(self._comm, o, self.one_node, compile_first)
+        self._engine = Engine(self._comm, o, self.one_node, compile_first, self.threads)
         self._compile_first = compile_first
         self._shm = self._hier = self._between = None    # made on first use (collective)
         self._size = self._comm.Get_size()

@@ -157,9 +157,11 @@ def check(fb, opname, recv, method):
     if recv.dtype not in QUANTIZED_DTYPES:
         return ValueError(f"Allreduce: feedback= takes float32, float64, float16 or bfloat16 "
                           f"buffers, not {recv.dtype}")
-    if method == "hierarchical":
-        return ValueError("Allreduce: feedback= works with algorithm 'ring' or 'two_shot' "
-                          "(and the exact paths); this call would be 'hierarchical'")
+    if method in ("hierarchical", "rabenseifner"):
+        # rabenseifner requantizes partial sums kept outside the input: the
+        # residual would not know their positions
+        return ValueError(f"Allreduce: feedback= works with algorithm 'ring' or 'two_shot' "
+                          f"(and the exact paths); this call would be {method!r}")
     if fb._count is not None and (fb._count, fb._dtype) != (recv.size, recv.dtype):
         return ValueError(f"Allreduce: this ErrorFeedback holds the residual of "
                           f"{fb._count} {fb._dtype.name} values, not {recv.size} "
@@ -205,15 +207,15 @@ class _Losses:
             d[b * B:(b + 1) * B] = 0
         self._fb._next[at:at + v.size] += d
 
-    def encode(self, src, w, rmode):
-        self._fmt.encode(src, w, rmode)
+    def encode(self, src, w, rmode, at=None):
+        self._fmt.encode(src, w, rmode, at)
         self._lose(self._values(src), w, self._at(src))
 
-    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+    def decode_reduce_encode(self, own, wi, wo, op, rmode, at=None):
         # the partial sum first: wi may be wo (the hop in place)
         v = self._v[:own.size]
         self._fmt.decode_reduce(own, wi, v, op)
-        self._fmt.decode_reduce_encode(own, wi, wo, op, rmode)
+        self._fmt.decode_reduce_encode(own, wi, wo, op, rmode, at)
         self._mine.add(id(wo))
         self._lose(v, wo, self._at(own))
 

@@ -130,11 +130,13 @@ class Running:
         if self._hier is None:
             from equarx_mpi.collectives.hierarchical import Hierarchy
             self._hier = Hierarchy(self._comm)
-            self._between = Engine(self._hier.inter, self.options, False, self._compile_first)
+            self._between = Engine(self._hier.inter, self.options, False, self._compile_first,
+                                   self.threads)
         return self._hier, self._between
 
 
 #: method -> its runner
 _RUN = {"copy": Running._copy, "mpi": Running._mpi, "shm": Running._shm,
         "ring": Running._schedule, "two_shot": Running._schedule,
+        "rabenseifner": Running._schedule,
         "hierarchical": Running._hierarchical}

@@ -38,6 +38,19 @@ import os
 import sys
 import time
 
+# One BLAS (OpenBLAS, MKL, OpenMP) and numba thread per rank, set before
+# numpy and numba load (each reads these once, when it loads): every rank
+# plays one chip, and a BLAS left at one thread per core makes P ranks run
+# P x cores threads.  OpenBLAS's idle threads then busy-wait about 0.1 s
+# after each matmul, on the cores the AllReduce that follows needs: on the
+# emulated 4 x 1 Gbit/s cluster an 8 MiB int8 call after a matmul took 88 ms
+# instead of 31 (docs/PERFORMANCE.md "BLAS threads").  Values already in
+# the environment win: set them to give each rank more cores.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
 import numpy as np
 from mpi4py import MPI
 

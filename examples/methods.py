@@ -105,15 +105,19 @@ def parse_methods(parser, text):
     return names
 
 
-def limit_blas_threads(comm):
-    """Give each rank its share of the node's cores, so that P ranks times
-    BLAS threads do not oversubscribe them (each rank plays one chip).
-    Returns the active limiter (keep it alive), or None where
-    OMP_NUM_THREADS or OPENBLAS_NUM_THREADS already decides."""
+def limit_blas_threads(comm=None):
+    """Hold the BLAS at $OPENBLAS_NUM_THREADS threads per rank (1 unless
+    set; each example sets it before numpy loads, which is what works for
+    numba too).  Needed only where numpy loaded its BLAS before the example
+    set the environment (the example imported into a test or a notebook).
+    Returns the active limiter (keep it alive; its restore_original_limits()
+    undoes it).  ``comm`` is unused, kept for callers.
+
+    Not the node's cores divided by the ranks on the node: on the emulated
+    cluster every rank is alone on its "node" and would keep a thread per
+    core, which is what made the AllReduce inside tp_prefill 2-3x slower
+    there (docs/PERFORMANCE.md "BLAS threads")."""
     from threadpoolctl import threadpool_limits
-    if {"OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"} & set(os.environ):
-        return None
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks = node.Get_size()
-    node.Free()
-    return threadpool_limits(max(1, (os.cpu_count() or 1) // ranks))
+    text = os.environ.get("OPENBLAS_NUM_THREADS", "1")
+    return threadpool_limits(int(text) if text.isdigit() and int(text) > 0 else 1,
+                             user_api="blas")

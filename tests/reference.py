@@ -298,6 +298,13 @@ def _nonfinite_blocks(x, block):
     return np.repeat(bad, block)[:x.size]
 
 
+def _block_codec(wire):
+    """reference_formats' codec of a block wire other than int8 (None for
+    int8 and the uncompressed wires)."""
+    from reference_formats import CODECS  # it imports this module
+    return CODECS.get(wire)
+
+
 def _wire_dtype(wire, dtype):
     if wire == "fp32":
         return np.dtype(np.float32)
@@ -310,6 +317,10 @@ def _send(x, block, rounding, wire, dtype, key=None):
     if wire == "int8":
         h, c = quantize(x, block, rounding, key)
         return dequantize(h, c, block), step_bound(h, block, x.size, rounding)
+    codec = _block_codec(wire)
+    if codec is not None:
+        w = codec.quantize(x, block, rounding, key)
+        return codec.dequantize(w, block), codec.bound(x, w, block, rounding)
     wd = _wire_dtype(wire, dtype)
     with np.errstate(over="ignore"):
         # the kernels store 16-bit wires through float32, as here
@@ -378,6 +389,11 @@ def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduc
         if wire == "int8":
             heads = np.repeat(quantize(part, block, rounding, key(s))[0], block)[:part.size]
             gone = _over_limit(heads, 1, dtype)
+        elif _block_codec(wire) is not None:
+            codec = _block_codec(wire)
+            mags = codec.magnitude(codec.quantize(part, block, rounding, key(s)), block,
+                                   part.size)
+            gone = _over_limit(mags, 1, dtype)
         else:
             gone = _nonfinite_blocks(dec, block)
         result[sl] = np.where(gone, np.nan, dec)

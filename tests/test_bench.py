@@ -96,7 +96,7 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
         assert r["wrong"] == 0, r
         assert r["rel_err"] >= 0 and r["max_err"] >= 0
         limit = {"mpi": 1e-6, "fp32": 1e-6, "bf16": 0.01, "fp8": 0.05, "int4": 0.2,
-                 "int4-aff": 0.2}.get(r["method"], 0.02)
+                 "int4-aff": 0.2, "int4-rab": 0.2}.get(r["method"], 0.02)
         assert r["rel_err"] <= limit, r
         # zero-mean data: the error against the anomaly is about rel_err
         assert r["anom_err"] <= 1.1 * r["rel_err"] + 1e-12, r
@@ -106,11 +106,12 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
         # wrap's auto never takes the window (MPI's own bits when exact)
         want = {"mpi": "exact", "mpi-lib": "exact", "int8": ("exact", "ring/int8"),
                 "int8-nocheck": ("exact", "ring/int8"), "bf16": "ring/bf16",
-                "wrap": ("exact", "ring/int8", "two_shot/int8"),
+                "wrap": ("exact", "ring/int8", "two_shot/int8", "rabenseifner/int8"),
                 "fp32": "ring/fp32", "int4": "ring/int4", "fp8": "ring/fp8",
                 "int8-aff": "ring/int8-affine", "int4-aff": "ring/int4-affine",
                 "int8-2shot": "two_shot/int8", "shm": "shm",
-                "auto": ("exact", "shm", "ring/int8", "two_shot/int8"),
+                "rabenseifner": "rabenseifner/int8", "int4-rab": "rabenseifner/int4",
+                "auto": ("exact", "shm", "ring/int8", "two_shot/int8", "rabenseifner/int8"),
                 "auto-exact": ("exact", "shm")}.get(
                     r["method"], "ring/int8")
         assert r["path"] in want if isinstance(want, tuple) else r["path"] == want, r

@@ -2,6 +2,8 @@
 version, EQUARX_MPI_PROFILE, the built-in one), predictions (positive, not
 decreasing with size, deterministic), the error model, the accuracy filter
 of policy.choose, and ``python -m equarx_mpi.tune --quick`` at 2 ranks.
+The schedules' terms, every wire, ``tune predict`` and Rabenseifner's
+error: tests/test_costmodel_schedules.py.
 
     pytest -q tests/test_costmodel.py
 """
@@ -23,7 +25,7 @@ from equarx_mpi.names import Layout
 
 LAYOUTS = [(1, 2), (1, 3), (1, 8), (2, 1), (2, 4), (4, 2), (16, 8), (128, 8)]
 SIZES = [1 << k for k in range(6, 33)] + [3 << 20, 5000, 123457]
-LOSSY = ("ring", "two_shot", "hierarchical")
+LOSSY = ("ring", "two_shot", "rabenseifner", "hierarchical")
 
 
 def model(nodes, rpn, wire="int8", block=256, profile=None):
@@ -121,7 +123,7 @@ def test_oneshot_bytes_matches_shm():
 @pytest.mark.parametrize("nodes,rpn", LAYOUTS)
 def test_times_are_positive_and_grow_with_size(nodes, rpn):
     m = model(nodes, rpn)
-    methods = ["mpi", "ring", "two_shot"] + (["shm"] if nodes == 1 else []) + (
+    methods = ["mpi", "ring", "two_shot", "rabenseifner"] + (["shm"] if nodes == 1 else []) + (
         ["hierarchical"] if nodes > 1 and rpn > 1 else [])
     for meth in methods:
         for itemsize, dt in ((4, "float32"), (8, "float64"), (2, "float16"), (2, "bfloat16")):
@@ -137,14 +139,14 @@ def test_bigger_clusters_take_longer():
     # each layout takes the measured corrections of its nearest measured
     # one (the built-in's 2x2 for 2x8, 4x1 beyond), which may differ by a
     # few percent: never by more than 10%
-    for meth in ("mpi", "ring", "two_shot"):
+    for meth in ("mpi", "ring", "two_shot", "rabenseifner"):
         ts = [model(n, 8).time(meth, 64 << 20, 4) for n in (2, 8, 32, 128)]
         assert all(a <= b * 1.1 for a, b in zip(ts, ts[1:])), (meth, ts)
 
 
 def test_predictions_are_deterministic():
     a, b = model(4, 8), model(4, 8)
-    for meth in ("mpi", "ring", "two_shot", "hierarchical"):
+    for meth in ("mpi", "ring", "two_shot", "rabenseifner", "hierarchical"):
         for n in SIZES:
             assert a.time(meth, n, 4) == b.time(meth, n, 4) == a.time(meth, n, 4)
 
@@ -165,6 +167,13 @@ def test_error_model():
     two = [costmodel.error("two_shot", "int8", 256, P, 1) for P in (2, 4, 8, 64)]
     assert all(a < b for a, b in zip(ring, ring[1:]))
     assert all(e1 <= t <= e1 * math.sqrt(2) for t in two)
+    # rabenseifner: between the two, E1 sqrt(1 + log2(P)/2) at powers of two
+    for P in range(2, 1100, 7):
+        e = {m: costmodel.error(m, "int8", 256, P, 1) for m in LOSSY[:3]}
+        assert e["two_shot"] <= e["rabenseifner"] <= e["ring"], (P, e)
+    for k in range(1, 11):
+        assert costmodel.error("rabenseifner", "int8", 256, 2 ** k, 1) == pytest.approx(
+            e1 * math.sqrt(1 + k / 2), rel=1e-12)
     # hierarchical: the error of the node count
     assert costmodel.error("hierarchical", "int8", 256, 64, 8) == costmodel.error(
         "two_shot", "int8", 256, 8, 8)
@@ -349,7 +358,8 @@ def test_tune_quick_at_two_ranks(tmp_path):
     assert "layout 1x2" in err and "saved" in err
     prof = profiles.load(out)
     lay = prof["layouts"]["1x2"]
-    assert set(lay["times"]) == {"mpi", "shm", "ring", "two_shot"}
+    from equarx_mpi.tune.measure import METHODS_ONE_NODE
+    assert set(lay["times"]) == set(METHODS_ONE_NODE)
     assert all(t > 0 for ts in lay["times"].values() for t in ts)
     assert prof["machine"]["ranks"] == 2
     env[profiles.ENV] = str(out)
@@ -387,4 +397,3 @@ def test_named_methods_report_what_runs_for_the_halves():
                                m, wrapped=w)[0] for n in (8, 1 << 12, 1 << 20, 1 << 26)}
              for w in (False, True)}
     assert "shm" in picks[False] and picks[True] == {"mpi"}, picks
-

@@ -182,6 +182,6 @@ def test_every_option_is_explained_in_options_md():
         assert f"`{name}" in text, f"option {name!r} is not explained in docs/OPTIONS.md"
         assert f"EQUARX_MPI_{name.upper()}" in text, f"EQUARX_MPI_{name.upper()} is not there"
     named = set(re.findall(r"EQUARX_MPI_([A-Z_]+)", text))
-    known = {n.upper() for n in options.DEFAULTS} | {"DISABLE", "LOG", "PROFILE",
+    known = {n.upper() for n in options.DEFAULTS} | {"DISABLE", "LOG", "PROFILE", "THREAD_WARNING",
                                                       "ABORT_ON_EXCEPTION", "FAKE_NODES"}
     assert named <= known | {"FULL", "LARGE", "PROPERTY_CASES", "HYPOTHESIS_CASES"}, named - known

@@ -8,7 +8,8 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "equarx_mpi"
 #: the layers, lowest first; a module may import its own layer's modules
 #: and any lower layer's, never a higher one's
 LAYERS = [("names",), ("kernels",), ("bounds",), ("wire",), ("collectives",), ("model",),
-          ("call",), ("comm", "running", "feedback", "helper", "wrapping", "warmup", "__init__"),
+          ("call",), ("comm", "running", "feedback", "helper", "wrapping", "warmup", "threads",
+                      "__init__"),
           ("bench", "tune", "cluster")]
 MAX_LINES = 420
 

@@ -23,7 +23,7 @@ from equarx_mpi.model import profiles
 
 WORLD = MPI.COMM_WORLD
 SIZES = [16, 4 << 10, 48 << 10, 256 << 10, 1 << 20, 3 << 20]     # bytes per rank
-LOSSY = ("ring", "two_shot", "hierarchical")
+LOSSY = ("ring", "two_shot", "rabenseifner", "hierarchical")
 
 
 @contextmanager

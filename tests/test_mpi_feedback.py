@@ -61,6 +61,8 @@ CASES = [  # (algorithm, wire, rounding, dtype, calls, in place)
     ("ring", "int8", "stochastic", np.float32, 200, False),
     ("ring", "int4", "nearest", np.float32, 200, False),
     ("ring", "fp8", "nearest", np.float32, 200, False),
+    ("two_shot", "int4", "stochastic", np.float32, 200, False),
+    ("two_shot", "int8-affine", "nearest", np.float64, 100, True),
     ("two_shot", "int8", "nearest", np.float16, 200, False),
     ("ring", "int8", "nearest", np.float64, 200, True),
 ]
@@ -81,8 +83,9 @@ def test_running_sum_stays_within_the_last_residuals(case):
     alg, wire, rounding, dt, calls, in_place = case
     P, r = WORLD.Get_size(), WORLD.Get_rank()
     # levels L: a rounding loses at most h / L of its block's largest
-    # magnitude (fp8 e4m3: half a unit of 3 fraction bits, 1/16 of the value)
-    L = {"int8": 127, "int4": 7, "fp8": 8}[wire]
+    # magnitude (fp8 e4m3: half a unit of 3 fraction bits, 1/16 of the value;
+    # int8-affine: a step is the range / 255, at most 2 A / 255)
+    L = {"int8": 127, "int4": 7, "fp8": 8, "int8-affine": 127}[wire]
     x = biased(1000, dt, r, block=64 if wire == "int4" else 256)
     opts = dict(algorithm=alg, wire=wire, rounding=rounding, min_quantized_bytes=0)
     with QuantizedComm(WORLD, **opts) as qc:
@@ -325,7 +328,8 @@ SEQUENCES = ([(dict(algorithm=a), dt) for a in ("mpi", "shm") for dt in DTYPES]
              + [(dict(algorithm="auto"), dt) for dt in (np.float16, "bfloat16")]
              + [(dict(algorithm=a, wire=w), dt) for a in ("ring", "two_shot")
                 for w in ("int8", "bf16", "fp32") for dt in DTYPES]
-             + [(dict(algorithm="ring", wire=w), np.float16) for w in ("int4", "fp8")])
+             + [(dict(algorithm=a, wire=w), np.float16) for a in ("ring", "two_shot")
+                for w in ("int4", "fp8")])
 
 
 @pytest.mark.parametrize("opts,dt", SEQUENCES, ids=_ids)

@@ -19,6 +19,7 @@ from reference import BF16, two_shot_allreduce, unit_roundoff
 from equarx_mpi import QuantizedComm
 from equarx_mpi.collectives.nodes import parse_nodes
 from equarx_mpi.collectives.shm import slice_bounds
+from equarx_mpi.wire.formats import default_block
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
@@ -35,7 +36,7 @@ def inputs(n, dtype, seed):
     return [rng.standard_normal(n).astype(dtype) for _ in range(WORLD.Get_size())]
 
 
-def simulate(xs, block):
+def simulate(xs, block, wire="int8"):
     """(result, bound, flagged) of the hierarchical schedule."""
     sizes = node_sizes()
     ends = np.cumsum(sizes)
@@ -52,18 +53,24 @@ def simulate(xs, block):
     for i in range(L):
         lo, hi = slice_bounds(n, xs[0].itemsize, L, i)
         if hi > lo:
-            o, b, f = two_shot_allreduce([s[lo:hi] for s in node_sums], block, with_bound=True)
+            o, b, f = two_shot_allreduce([s[lo:hi] for s in node_sums], block, with_bound=True,
+                                         wire=wire)
             out[lo:hi], bound[lo:hi], flagged[lo:hi] = o, b, f
     return out, bound, flagged
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("n", [1, 1000, 70001])
-def test_hierarchical_equals_its_simulation(dtype, n):
+CASES = [(d, n, "int8") for d in DTYPES for n in (1, 1000, 70001)] + \
+    [(d, 70001, w) for d, w in zip(DTYPES, ("int4", "fp8", "int8-affine", "int4-affine"))]
+
+
+@pytest.mark.parametrize("dtype,n,wire", CASES, ids=str)
+def test_hierarchical_equals_its_simulation(dtype, n, wire):
+    """Every wire between nodes (two-shot), int8 at every size."""
     sizes = node_sizes()
     xs = inputs(n, dtype, seed=n)
     out = np.empty(n, dtype)
-    with QuantizedComm(WORLD, algorithm="hierarchical", min_quantized_bytes=0) as qc:
+    with QuantizedComm(WORLD, algorithm="hierarchical", wire=wire,
+                       min_quantized_bytes=0) as qc:
         qc.Allreduce(xs[WORLD.Get_rank()], out)
         everywhere(qc.layout.nodes == len(sizes), f"layout {qc.layout}")
         uniform = len(set(sizes)) == 1
@@ -77,7 +84,7 @@ def test_hierarchical_equals_its_simulation(dtype, n):
     if want != "hierarchical":
         return
     everywhere(sent > 0 and stats == qc.last_call.bytes_sent, f"bytes sent: {sent}, {stats}")
-    ref, bound, _ = simulate(xs, 256)
+    ref, bound, _ = simulate(xs, default_block(wire), wire)
     everywhere(out.tobytes() == ref.tobytes(), "equal to the simulation bit for bit")
     x64 = [x.astype(np.float64) for x in xs]
     exact = np.sum(x64, axis=0)

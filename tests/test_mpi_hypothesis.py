@@ -57,11 +57,10 @@ VERBOSE = os.environ.get("EQUARX_MPI_HYPOTHESIS_VERBOSE", "0") not in ("", "0")
 MAX_N = 50_000
 #: (algorithm, wire) -> its share of the cases (each one a test, so that every
 #: path gets cases however few; hypothesis draws the rest).  Hierarchical
-#: runs two-shot between nodes for the many-input wires, else the ring;
-#: the exact methods do not read the wire.
+#: runs two-shot between nodes; the exact methods do not read the wire.
 PATHS = dict([(("ring", w), 0.06) for w in formats.WIRES]
-             + [(("two_shot", w), 0.08) for w in names.MANY_INPUT_WIRES]
-             + [(("hierarchical", w), 0.05) for w in ("int8", "bf16", "fp32", "int4-affine")]
+             + [(("two_shot", w), 0.06) for w in formats.WIRES]
+             + [(("hierarchical", w), 0.04) for w in ("int8", "bf16", "fp8", "int4-affine")]
              + [(("shm", "int8"), 0.04), (("mpi", "int8"), 0.03), (("auto", "int8"), 0.03)])
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: the first of each is what a failure shrinks towards

@@ -25,7 +25,8 @@ WORLD = MPI.COMM_WORLD
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 SEED = 2 ** 63 + 12345
 #: (algorithm, wire, block) with stochastic rounding
-PATHS = [("ring", "int8", 256), ("two_shot", "int8", 256), ("ring", "int4", 64)]
+PATHS = [("ring", "int8", 256), ("two_shot", "int8", 256), ("ring", "int4", 64),
+         ("two_shot", "int4", 64)]
 KINDS = ["normal", "nan", "inf", "signed-zeros", "constant", "mask", "limits",
          "subnormal-sweep", "mixed-ranks", "outliers"]
 
@@ -37,7 +38,8 @@ def keys(call, P):
 def simulate(alg, wire, block, xs, call, kind="allreduce"):
     P = len(xs)
     if alg == "two_shot":
-        return two_shot_allreduce(xs, block, with_bound=True, kind=kind, keys=keys(call, P))
+        return two_shot_allreduce(xs, block, with_bound=True, kind=kind, keys=keys(call, P),
+                                  wire=wire)
     return ring_allreduce(xs, block, with_bound=True, kind=kind, keys=keys(call, P),
                           codec=INT8 if wire == "int8" else INT4)
 

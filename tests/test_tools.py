@@ -123,7 +123,8 @@ def test_method_words_state_the_code_defaults():
     assert f"at most {pieces.MAX_AUTO_CHUNKS} per shard" in PIECES
     # "every size" is said exactly of the methods without a size floor
     for name, m in METHODS.items():
-        if m.options and m.options.get("algorithm") in ("ring", "two_shot", "hierarchical"):
+        if m.options and m.options.get("algorithm") in ("ring", "two_shot", "rabenseifner",
+                                                        "hierarchical"):
             assert ("every size" in m.about) == (m.options.get("min_quantized_bytes") == 0), name
 
 
@@ -198,7 +199,8 @@ def _help(capsys, main, argv):
 
 def test_bench_commands_have_their_own_help(capsys):
     from equarx_mpi.bench.__main__ import COMMANDS, main
-    assert list(COMMANDS) == ["allreduce", "shm", "tolerance", "calls", "kernels", "coldstart"]
+    assert list(COMMANDS) == ["allreduce", "shm", "tolerance", "calls", "app", "kernels",
+                             "coldstart"]
     top = _help(capsys, main, ["--help"])
     assert top.startswith("usage: mpirun -n P python -m equarx_mpi.bench [allreduce]")
     assert all(f"\n  {name} " in top for name in COMMANDS)
@@ -279,11 +281,13 @@ def no_mpi(*argv, timeout=300):
 
 def test_tune_predict_never_initializes_mpi():
     out = no_mpi("tune", "predict", "--ranks", "16,64", "--ranks-per-node", "1,8",
-                 "--sizes", "1M,16M", "--rate", "10gbit", "--latency", "20us")
-    rows = [line.split() for line in out.splitlines() if line and not line.startswith("#")]
+                 "--sizes", "1M,16M", "--rate", "10gbit", "--latency", "20us", "--wire", "int8")
+    table = out.split("# the best wire")[0]
+    rows = [line.split() for line in table.splitlines() if line and not line.startswith("#")]
     assert len(rows) == 8, out                  # 2 ranks x 2 layouts x 2 sizes
     for r in rows:
-        assert r[2] == "10Gb/s" and r[-3] in ("mpi", "ring", "two_shot", "hierarchical")
+        assert r[2] == "10Gb/s" and r[-3] in ("mpi", "ring", "two_shot", "rabenseifner",
+                                              "hierarchical")
         assert float(r[-1]) >= 1.0              # auto is never slower than mpi, by the model
     assert [r[3:5] for r in rows[:2]] == [["1", "MiB"], ["16", "MiB"]]
 

@@ -24,6 +24,9 @@ COMMANDS = {
     "calls": ("equarx_mpi.bench.calls", "main",
               "per-call cost of small Allreduces through wrap() and QuantizedComm\n"
               "against mpi4py's own, under mpirun (issue 20's targets, PASS/MISS)"),
+    "app": ("equarx_mpi.bench.app", "main",
+            "the AllReduce right after a BLAS matmul, as an application calls it,\n"
+            "against the same call on idle cores, under mpirun"),
     "kernels": ("equarx_mpi.bench.kernels", "main",
                 "numba's int8 kernels against the C reference in native/, one process"),
     "coldstart": ("equarx_mpi.bench.coldstart", "main",

@@ -11,6 +11,11 @@ fit in cache are measured in cache, like the ring's pieces.  numba and C
 take turns, and numba/C is the median of the per-turn ratios, so load from
 other processes hits both alike.
 
+``--threads T`` measures instead every wire's kernels through its format
+at 1 and T threads (option ``threads``, wire/threaded.py), wall time, in
+turns: the rate at T over the rate at 1 is the speedup a rank gets from
+T cores.
+
 ``--isa avx2`` measures both sides as compiled for a plain AVX2 machine on
 this one: C built with ``-O3 -march=haswell`` into its own library, numba in
 a child process with NUMBA_CPU_NAME=haswell (and the haswell features only).
@@ -97,6 +102,59 @@ def bench(n, block, repeat, native, clock=time.thread_time):
     return res
 
 
+def bench_threads(n, wires, threads, repeat):
+    """{(wire, kernel): (GB/s at 1 thread, at ``threads``, median ratio)}
+    for each wire's encode, decode, decode_reduce and the ring's fused hop
+    on float32, wall time; the two take turns."""
+    from equarx_mpi.wire import formats
+    from equarx_mpi.wire.threaded import Threaded
+    rng = np.random.default_rng(0)
+    own = rng.standard_normal(n).astype(np.float32)
+    own.flags.writeable = False
+    out = np.empty(n, np.float32)
+    res = {}
+    for wire in wires:
+        block = formats.default_block(wire)
+        make = lambda: formats.make_format(wire, block, np.float32)  # noqa: E731
+        fmts = (make(), Threaded(make, threads))
+        bufs = [np.zeros(make().nbytes(n), np.uint8) for _ in fmts]
+        ws = [f.views(b, n) for f, b in zip(fmts, bufs)]
+        for f, w in zip(fmts, ws):
+            f.encode(own, w, K.ROUND_NEAREST)
+        cases = {
+            "encode": [lambda f=f, w=w: f.encode(own, w, K.ROUND_NEAREST)
+                       for f, w in zip(fmts, ws)],
+            "decode": [lambda f=f, w=w: f.decode(w, out) for f, w in zip(fmts, ws)],
+            "decode_reduce": [lambda f=f, w=w: f.decode_reduce(own, w, out, K.OP_SUM)
+                              for f, w in zip(fmts, ws)],
+            "decode_reduce_encode": [
+                lambda f=f, w=w: f.decode_reduce_encode(own, w, w, K.OP_SUM, K.ROUND_NEAREST)
+                for f, w in zip(fmts, ws)],
+        }
+        for name, fns in cases.items():
+            r1, rT = _rates(fns, 4 * n, repeat, time.perf_counter, min_time=5e-3)
+            res[wire, name] = (float(np.median(r1)), float(np.median(rT)),
+                               float(np.median(np.divide(rT, r1))))
+    return res
+
+
+def _threads_main(args):
+    from equarx_mpi.wire import formats
+    print(f"# every wire's kernels through its format, float32, SUM; 1 against "
+          f"{args.threads} threads (wall time, in turns), median of {args.repeat}")
+    print(f"# {cpu_model()}; {len(os.sched_getaffinity(0))} cores for this process; "
+          f"load average {os.getloadavg()[0]:.2f} at the start")
+    print(f"# {'wire':<12}{'kernel':<22}{'count':>10}{'1 thread[GB/s]':>16}"
+          f"{f'{args.threads} threads[GB/s]':>18}{'ratio':>7}")
+    for n in args.count:
+        for (wire, name), (r1, rT, ratio) in bench_threads(
+                n, formats.WIRES, args.threads, args.repeat).items():
+            print(f"  {wire:<12}{name:<22}{n:>10}{r1:>16.2f}{rT:>18.2f}{ratio:>7.2f}",
+                  flush=True)
+    print(f"# load average {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
 def _numba_target():
     import llvmlite.binding as ll
     from numba.core import config
@@ -121,9 +179,15 @@ def main(argv=None):
     ap.add_argument("--isa", choices=sorted(ISAS), default="native",
                     help="native: both sides for this CPU (default); avx2: both "
                          "compiled for a plain AVX2 (haswell) CPU")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="measure every wire at 1 and this many threads instead")
     args = ap.parse_args(argv)
     if args.block < 1 or args.repeat < 1 or min(args.count) < 1:
         ap.error("--count, --block and --repeat must be positive")
+    if args.threads:
+        if args.threads < 2:
+            ap.error("--threads: at least 2")
+        return _threads_main(args)
     build, _, env = ISAS[args.isa]
     if env is not None and any(os.environ.get(k) != v for k, v in env.items()):
         # numba reads its target when it is imported: measure in a child

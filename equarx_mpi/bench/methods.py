@@ -51,6 +51,12 @@ METHODS = {
     "int8-2shot": Method("int8 two-shot at every size: each shard to its owner, reduced "
                          "there at full precision, then all-gathered",
                          dict(EVERY, wire="int8", algorithm="two_shot")),
+    "rabenseifner": Method("int8 recursive halving / doubling (Rabenseifner) at every size: "
+                           "2 log2 P steps, each partial sum quantized once by its sender",
+                           dict(EVERY, wire="int8", algorithm="rabenseifner")),
+    "int4-rab": Method("int4 recursive halving / doubling at every size, block 64 (int4's "
+                       "own, whatever --block says)",
+                       dict(EVERY, wire="int4", block_size=64, algorithm="rabenseifner")),
     "int8-hier": Method("int8 hierarchical at every size: exact in each node through a "
                         "shared window, two-shot between nodes; on one node (or nodes of "
                         "unequal size) the int8 ring",

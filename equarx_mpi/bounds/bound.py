@@ -163,7 +163,8 @@ def sum_of_nonnegatives(computed, P, dtype):
 # --- the bound of one schedule run ----------------------------------------------------
 
 class Tally:
-    """The bound of one run of a quantized schedule (ring.py, two_shot.py),
+    """The bound of one run of a quantized schedule (ring.py, two_shot.py,
+    rabenseifner.py),
     written into the trailers while it runs and read by engine.py after.
 
     ``e_own`` bounds the error this rank's own input already carries (the
@@ -208,6 +209,25 @@ class Tally:
         input's error (its trailer's total)."""
         self._write(p, self._combine((e_in, self.e)), final)
 
+    def partial(self, e_in, e_acc, mag):
+        """The recursive halving's partial result kept at full precision
+        (rabenseifner.py): acc (error e_acc) (op) a decoded input (error
+        e_in), stored in the accumulation type; for a SUM plus the
+        addition's rounding, u |result| with every kept |result| <= mag."""
+        e = self._combine((e_in, e_acc))
+        return e + self.u * mag if self.sum else e
+
+    def fused(self, e_in, e_acc, p, final=False, held=True):
+        """p holds a partial result (error e_acc) (op) the decoded input,
+        quantized: hop's bound with e_acc in place of the raw input's.
+        ``held=False``: a final piece this rank sends but whose values are
+        not part of its own result (a folded rank's Reduce_scatter shard)."""
+        q, m = self.fmt.piece_error(p.w, self.rmode, self.limit if final else math.inf)
+        pre = self._combine((e_in, e_acc)) + (self.u * m if self.sum else 0.0)
+        p.t[0], p.t[1], p.t[2] = pre, pre + q, m
+        if final and held:
+            self.final.append(p)
+
     def _many(self, trailers):
         """(error of the inputs, number of additions k, A) for the two-shot
         owner's reduction of own and k decoded messages; A = the sum of the
@@ -240,13 +260,15 @@ class Tally:
         if final:
             self.final.append(p)
 
-    def result(self, lo, hi, out, skipped, block, e_in=None, trailers=None):
+    def result(self, lo, hi, out, skipped, block, e_in=None, trailers=None, e_own=None):
         """out (kernel view, elements [lo, hi) of the result) holds own (op)
         the decoded input(s) at full precision: the ring's last hop (e_in:
-        the input's error, one addition) or the two-shot owner's reduction
-        (trailers); ``skipped`` blocks are left to the exact fix-up."""
+        the input's error, one addition; ``e_own``: own's error when own is
+        a partial result, else the input's) or the two-shot owner's
+        reduction (trailers); ``skipped`` blocks are left to the exact
+        fix-up."""
         if trailers is None:
-            e, k, A = self._combine((e_in, self.e)), 1, 0.0
+            e, k, A = self._combine((e_in, self.e if e_own is None else e_own)), 1, 0.0
         else:
             e, k, A = self._many(trailers)
         us, etas = self.store

@@ -23,10 +23,10 @@ import warnings
 
 import numpy as np
 
-from equarx_mpi.names import MANY_INPUT_WIRES, STOCHASTIC_WIRES
+from equarx_mpi.names import STOCHASTIC_WIRES
 from equarx_mpi.wire import formats
 
-ALGORITHMS = ("auto", "ring", "two_shot", "hierarchical", "shm", "mpi")
+ALGORITHMS = ("auto", "ring", "two_shot", "rabenseifner", "hierarchical", "shm", "mpi")
 LOSSY_OPS = ("sum", "max", "min")
 ROUNDINGS = ("nearest", "stochastic")
 #: No single message exceeds this (MPI counts are 32-bit in many places).
@@ -37,6 +37,7 @@ DEFAULTS = dict(
     block_size=None,        # the wire's own, formats.default_block: 256, int4 64, int4-affine 128
     algorithm="auto",
     chunks=None,
+    threads=None,           # kernel threads per rank; None: the node's cores / its ranks
     accuracy=None,          # None: any error the wire gives; "exact"; or a relative L2 error
     min_quantized_bytes=None,
     lossy_ops=("sum",),
@@ -202,10 +203,6 @@ def check(o):
     if o["algorithm"] not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {o['algorithm']!r}")
     _check_tolerance(o)
-    if o["algorithm"] == "two_shot" and o["wire"] not in MANY_INPUT_WIRES + (
-            formats.MODE_WIRE,):
-        raise ValueError(f"algorithm='two_shot' takes the wires {MANY_INPUT_WIRES}, "
-                         f"not {o['wire']!r}")
     a = o["accuracy"]
     if not (a is None or a == "exact" or (isinstance(a, (int, float, np.floating))
                                           and not isinstance(a, bool) and 0 < a < 1)):
@@ -214,6 +211,9 @@ def check(o):
     c = o["chunks"]
     if c is not None and (not _is_int(c) or c < 1):
         raise ValueError(f"chunks must be None or an integer >= 1, not {c!r}")
+    t = o["threads"]
+    if t is not None and (not _is_int(t) or not 1 <= t <= 256):
+        raise ValueError(f"threads must be None or an integer from 1 to 256, not {t!r}")
     q = o["min_quantized_bytes"]
     if q is not None and (not _is_int(q) or q < 0):
         raise ValueError(f"min_quantized_bytes must be None or an integer >= 0, not {q!r}")

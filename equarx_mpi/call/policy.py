@@ -13,8 +13,8 @@ for the named algorithms alike (their size floor), unless
 
 algorithm="auto" picks, per call, the fastest predicted method among those
 allowed: the exact ones (MPI; the shared window on one node) and the
-quantized ones (ring; two-shot; hierarchical on several nodes of equal
-size) whose error on standard-normal data (costmodel.error) is within
+quantized ones (ring; two-shot; rabenseifner; hierarchical on several
+nodes of equal size) whose error on standard-normal data (costmodel.error) is within
 ``accuracy``; among quantized ones the most accurate within NEAR_TIE of
 the fastest wins."""
 
@@ -25,7 +25,6 @@ from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
     DIRECTED_WIRES,
     EXACT,
     KERNEL_OP,
-    MANY_INPUT_WIRES,
     QUANTIZED_DTYPES,
     ROUND_STOCHASTIC,
     dtype_name,
@@ -47,7 +46,7 @@ def choose(opts, what, opname, dtype, nbytes, P, layout, model, feedback=False,
     """(method, reason): how this call runs, and why, in words for
     ``last_call``.  Methods: "copy" (one rank), "mpi" (MPI's own
     collective), "shm" (exact, through a shared window on one node), or a
-    quantized schedule: "ring", "two_shot", "hierarchical".  ``model``: the
+    quantized schedule: "ring", "two_shot", "rabenseifner", "hierarchical".  ``model``: the
     communicator's costmodel.Model; ``feedback``: the call carries an
     ErrorFeedback (auto leaves out the hierarchical schedule, which cannot);
     ``wrapped``: a wrapped communicator's call, whose exact calls give MPI's
@@ -157,13 +156,16 @@ def _lossy_candidates(opts, what, layout, error, feedback):
     """(quantized methods this call may take, and why, in words): the
     algorithm asked for, or under auto every one that fits the call, the
     wire and ``accuracy`` (``error``: a method's predicted error)."""
-    alg, wire, acc = opts["algorithm"], opts["wire"], opts["accuracy"]
+    alg, acc = opts["algorithm"], opts["accuracy"]
     if acc == "exact":
         return [], "accuracy='exact'"
     if alg == "auto":
         cands = ["ring"]
-        if wire in MANY_INPUT_WIRES and what != "Allgather":
+        if what != "Allgather":
             cands.append("two_shot")
+            # its partial sums live in an accumulator error feedback cannot follow
+            if not feedback:
+                cands.append("rabenseifner")
         # with one rank per node it is two-shot plus a window step that sums
         # nothing: never worth it; error feedback it cannot carry
         if _hierarchical_fits(what, layout) and layout.ranks_per_node > 1 and not feedback:
@@ -172,8 +174,8 @@ def _lossy_candidates(opts, what, layout, error, feedback):
     elif alg == "hierarchical" and not _hierarchical_fits(what, layout):
         cands, why = ["ring"], ("hierarchical covers Allreduce across nodes of equal size; "
                                 "this call: the ring")
-    elif alg == "two_shot" and what == "Allgather":
-        cands, why = ["ring"], "two-shot has no all-gather of its own: this call: the ring"
+    elif alg in ("two_shot", "rabenseifner") and what == "Allgather":
+        cands, why = ["ring"], f"{alg} has no all-gather of its own: this call: the ring"
     else:
         cands, why = [alg], "quantized"
     if acc is None:

@@ -14,7 +14,7 @@ class CallInfo(NamedTuple):
     call: str                 #: "Allreduce", "Reduce_scatter_block" or "Allgather"
     #: "mpi" (MPI's own collective), "shm" (exact through a shared window),
     #: "copy" (one rank), or the quantized schedule: "ring", "two_shot",
-    #: "hierarchical"
+    #: "rabenseifner", "hierarchical"
     method: str
     wire: Optional[str]       #: the wire format, None when exact
     reason: str               #: why this path, in words

@@ -8,14 +8,22 @@ import collections
 import numpy as np
 
 from equarx_mpi.bounds import bound
-from equarx_mpi.collectives import exact, ring, two_shot
+from equarx_mpi.collectives import exact, rabenseifner, ring, two_shot
 from equarx_mpi.collectives.nodes import in_turn
 from equarx_mpi.collectives.pieces import chunks as pieces_per_shard
-from equarx_mpi.names import KERNEL_OP, ROUND_STOCHASTIC, ROUNDING, kernel_view, rounding
+from equarx_mpi.names import (
+    KERNEL_OP,
+    ROUND_STOCHASTIC,
+    ROUNDING,
+    acc_dtype,
+    kernel_view,
+    rounding,
+)
 from equarx_mpi.wire import formats
+from equarx_mpi.wire.threaded import Threaded
 
 #: the quantized schedules, by algorithm name
-SCHEDULES = {"ring": ring, "two_shot": two_shot}
+SCHEDULES = {"ring": ring, "two_shot": two_shot, "rabenseifner": rabenseifner}
 _PLAN_CACHE = 8
 
 
@@ -24,7 +32,12 @@ NEEDS = {("ring", "allreduce"): ("encode", "decode_reduce_encode", "decode"),
          ("ring", "reduce_scatter"): ("encode", "decode_reduce_encode", "decode_reduce"),
          ("ring", "allgather"): ("encode", "decode"),
          ("two_shot", "allreduce"): ("encode", "decode_reduce_encode_many", "decode"),
-         ("two_shot", "reduce_scatter"): ("encode", "decode_reduce_many")}
+         ("two_shot", "reduce_scatter"): ("encode", "decode_reduce_many"),
+         # "partial": the same kernels on partial sums in the accumulation type
+         ("rabenseifner", "allreduce"): ("encode", "decode_reduce_encode", "decode_reduce",
+                                         "decode", "partial"),
+         ("rabenseifner", "reduce_scatter"): ("encode", "decode_reduce_encode",
+                                              "decode_reduce", "decode", "partial")}
 
 
 def warm(fmt, kdtype, algorithm=None, kind=None, P=3, rmodes=None):
@@ -65,6 +78,16 @@ def warm(fmt, kdtype, algorithm=None, kind=None, P=3, rmodes=None):
     if "decode_reduce" in needs and hasattr(fmt, "decode_reduce"):   # not "mixed"
         fmt.decode_reduce(src, w, out, sum_)
     fmt.piece_error(w, nearest)
+    if "partial" in needs and hasattr(fmt, "decode_reduce"):
+        # partial sums in a writable accumulator (rabenseifner.py): float32
+        # for 16-bit input; numba compiles writable and read-only arrays apart
+        acc = np.zeros(n, acc_dtype(kdtype))
+        bound.warm((acc.dtype,))
+        fmt.decode_reduce(src, w, acc, sum_)
+        fmt.decode_reduce(acc, w, acc, sum_)
+        fmt.decode_reduce(acc, w, out, sum_)
+        for rmode in rmodes:
+            fmt.decode_reduce_encode(acc, w, w, sum_, rmode, at=src)
     for count in counts if hasattr(fmt, "decode_reduce_many") else ():
         stack = fmt.stack_views(np.zeros(count * fmt.nbytes(n), np.uint8), n, count)
         if "decode_reduce_many" in needs:
@@ -77,14 +100,16 @@ class Engine:
     """Runs the quantized collectives of ``opts`` on ``comm`` (which must not
     carry other traffic of the same tag).  ``compile_first``: this rank
     compiles the kernels before the others of its node read numba's cache.
+    ``threads``: how many threads run each kernel (wire/threaded.py).
 
     Each collective returns (values reduced exactly afterwards, error
     bound): the bound, the same on every rank, holds for every value of the
     result that is finite (docs/ERROR.md); ``record`` (a bound.Record) then
     gives it per block, until the next call."""
 
-    def __init__(self, comm, opts, one_node, compile_first):
+    def __init__(self, comm, opts, one_node, compile_first, threads=1):
         self.comm, self.opts, self.one_node = comm, opts, one_node
+        self.threads = threads
         self.compile_first = compile_first
         self.P, self.rank = comm.Get_size(), comm.Get_rank()
         self._formats = {}
@@ -163,7 +188,10 @@ class Engine:
     def _format(self, kdtype, algorithm, kind, rmode, feedback):
         fmt = self._formats.get(kdtype.str)
         if fmt is None:
-            fmt = formats.make_format(self.opts["wire"], self.opts["block_size"], kdtype)
+            wire, block = self.opts["wire"], self.opts["block_size"]
+            fmt = formats.make_format(wire, block, kdtype)
+            if self.threads > 1 and wire != formats.MODE_WIRE:
+                fmt = Threaded(lambda: formats.make_format(wire, block, kdtype), self.threads)
             self._formats[kdtype.str] = fmt
         # error feedback decodes what each quantization sent: every kernel
         algorithm = None if feedback else algorithm

@@ -1,12 +1,13 @@
 """The cost model behind ``algorithm="auto"``: the predicted time of every
 method for a call, from a profile of the machine, and the error each
-method adds.
+method adds (errors.py, re-exported here).
 
 A profile (profiles.py; ``python -m equarx_mpi.tune`` measures one, see
 docs/TUNING.md) holds what the machine does, not what each method took:
 
 - ``cores``: cores per node; ``kernels[wire][dtype][kernel]``: seconds per
-  value of each kernel on one core with the other ranks idle; ``copy``:
+  value of each kernel on one core with the other ranks idle (a wire the
+  profile did not measure: int8's times SLOWER); ``copy``:
   seconds per byte of one rank's memory copy, alone;
 - ``layouts["NxL"]``, one per measured layout (N nodes of L ranks): a
   message between ranks of a node (``p2p``: latency s, s/byte, with every
@@ -15,16 +16,27 @@ docs/TUNING.md) holds what the machine does, not what each method took:
   ``share``: slowdown over alone), and each method's measured time of a
   float32 SUM Allreduce (``sizes``, ``times[method]``).
 
-The physical model (``_physical``) builds each method's time from those
-pieces: messages, copies and kernel passes, with pipelining across nodes;
+The physical model (physical.py, ``_physical``) builds each method's time
+from those pieces: messages, copies and kernel passes, with pipelining;
 its parameters come from the measured layout nearest to the one asked for,
 scaled by ranks per core where the two differ.  Where a method was measured
 the prediction is multiplied by measured/physical at that size
 (interpolated between measured sizes, held beyond them) from the nearest
 measured layout of the same kind (one node or several), so on a measured
 layout the model returns the measurements and elsewhere the physical
-shape carries them.  MPI's own Allreduce is modelled the same way: the
-better of a ring and recursive doubling, times what was measured.
+shape carries them; a method no layout measured takes the correction of
+the one it runs like (CORRECTED_LIKE: rabenseifner the ring's).  MPI's own
+Allreduce is modelled the same way: the best of a ring, recursive doubling
+and Rabenseifner (mpi_parts), times what was measured.
+
+The formulas, and where ranks sit, are in physical.py.
+
+Kernel threads (option ``threads``; ``Model(..., threads=T)``, default 1:
+the model without them, bit for bit): a kernel call runs over as many
+threads as wire/threaded.py gives it, its time the one-thread time over
+thread_speedup (the profile's optional ``threads``: measured speedups;
+else Amdahl's law with ASSUMED_PARALLEL), never below its memory traffic
+(TRAFFIC) at the node's copy rate (node_copy) shared by its ranks.
 
 Every number a decision uses comes from the profile and the call's agreed
 arguments through + - * / and sqrt only (IEEE-exact), so every rank, on
@@ -34,57 +46,19 @@ profile everyone's (profiles.agreed).
 import math
 
 from equarx_mpi.collectives.pieces import chunks
+from equarx_mpi.model.errors import E1, STOCHASTIC, error, pow2_floor  # noqa: F401 (the model's)
+from equarx_mpi.model.physical import (  # noqa: F401 (tune predict's and the tests')
+    ONESHOT_BYTES,
+    SCHEDULES,
+    _physical,
+    _variant,
+    mpi_parts,
+)
 from equarx_mpi.names import between_nodes
 from equarx_mpi.wire import formats
+from equarx_mpi.wire.threaded import MIN_PART
 
-#: shm.ONESHOT_BYTES (kept here so the model imports no MPI; a test checks)
-ONESHOT_BYTES = 64 << 10
 KERNELS = ("encode", "decode", "decode_reduce", "hop", "many")
-
-#: Relative L2 error of ONE quantization of standard-normal float32 values,
-#: per wire and block size (docs/TUNING.md "Error model").  A method's error
-#: is this times sqrt(the sum of the variances it quantizes / the result's):
-#: ring sqrt((P+1)/2), two-shot sqrt(2 - 1/P); measured through the library
-#: (docs/ACCURACY.md) within 0.5% of it for int8, fp8 and bf16; int4 lies
-#: 10-15% below it (an upper estimate there).
-E1 = {
-    "int8": {32: 0.005337, 64: 0.005922, 128: 0.006444, 256: 0.00695, 512: 0.007406,
-             1024: 0.007865, 2048: 0.008287, 4096: 0.008715},
-    "int4": {32: 0.09695, 64: 0.1077, 128: 0.1173, 256: 0.1263, 512: 0.1346, 1024: 0.142,
-             2048: 0.1499, 4096: 0.1574},
-    "fp8": {32: 0.02398, 64: 0.02506, 128: 0.02571, 256: 0.02612, 512: 0.02629,
-            1024: 0.02644, 2048: 0.02646, 4096: 0.02645},
-    "int8-affine": {32: 0.004595, 64: 0.005269, 128: 0.005869, 256: 0.006388, 512: 0.0069,
-                    1024: 0.007335, 2048: 0.007865, 4096: 0.00823},
-    "int4-affine": {32: 0.07826, 64: 0.08951, 128: 0.09965, 256: 0.1092, 512: 0.1173,
-                    1024: 0.1248, 2048: 0.1325, 4096: 0.1398},
-    "bf16": {b: 0.001664 for b in (32, 64, 128, 256, 512, 1024, 2048, 4096)},
-    "fp32": {b: 3e-8 for b in (32, 64, 128, 256, 512, 1024, 2048, 4096)},
-}
-
-
-#: Stochastic rounding's error over nearest's, per quantization: a value at
-#: fraction f of a step rounds off by f or 1 - f with probabilities 1 - f
-#: and f, variance f(1 - f) steps^2, which is 1/6 over uniform f against
-#: nearest's 1/12 (measured 1.41x, tests/test_mpi_stochastic.py)
-STOCHASTIC = math.sqrt(2)
-
-
-def error(method, wire, block, P, nodes, rounding="nearest"):
-    """Relative L2 error of ``method``'s Allreduce on standard-normal data
-    (0 for the exact methods) with SUM's codes rounded by ``rounding``.
-    Used for the halves too, as an upper bound."""
-    if method in ("mpi", "shm", "copy") or P == 1:
-        return 0.0
-    e1 = E1[wire][block] * (STOCHASTIC if rounding == "stochastic" else 1.0)
-    if method == "ring":
-        return e1 * math.sqrt((P + 1) / 2)
-    if method == "two_shot":
-        return e1 * math.sqrt(2 - 1 / P)
-    if method == "hierarchical":
-        return error(between_nodes(wire), wire, block, nodes, nodes, rounding)
-    raise ValueError(f"no method {method!r}")
-
 
 # --- arithmetic every rank does alike ---------------------------------------------
 def lg(x):
@@ -128,7 +102,7 @@ class Hw:
         C = profile["cores"]
         lays = profile["layouts"]
         self.nodes, self.rpn = nodes, rpn
-        kern = profile["kernels"].get(wire) or profile["kernels"]["int8"]
+        kern = profile["kernels"].get(wire) or _like_int8(profile["kernels"]["int8"], wire)
         self.kern = kern.get(dtype_name) or kern["float32"]
         crowd = lambda L: max(1.0, L / C)      # noqa: E731  (ranks per core)
         _, near = _nearest(lays, nodes, rpn, lambda lay: True)
@@ -144,90 +118,117 @@ class Hw:
         if nodes > 1:
             _, net = _nearest(lays, nodes, 1, lambda lay: lay.get("net") is not None)
             self.net_alpha, self.net_beta = net["net"]
+        #: kernel threads per rank (threaded() sets them)
+        self.threads = 1
 
-    def k(self, name):
-        """Seconds per value of a kernel with every rank computing."""
-        return self.kern[name] * self.share
+    def threaded(self, profile, wire, threads, mem, s, w):
+        """This layout with each kernel run over ``threads`` threads: its
+        speedups from the profile (thread_speedup), no kernel faster than
+        its memory traffic at ``mem`` seconds per byte copied (one rank's
+        share of the node's copy rate); ``s``, ``w``: input and wire bytes
+        per value (the traffic, TRAFFIC)."""
+        if threads == 1:
+            return self
+        floor = {name: (a * s + b * w) / 2 * mem for name, (a, b) in TRAFFIC.items()}
+        return _variant(self, threads=threads, floor=floor, _speed={},
+                        _measured=thread_rates(profile, wire))
 
-
-def _overlap(comm, comp, chunks):
-    """A pipelined phase: the longer of the two, plus the part of the
-    shorter that the pieces cannot hide."""
-    return max(comm, comp) + min(comm, comp) / chunks
-
-
-def _step(hw, b, chunks):
-    """One ring step moving b bytes in ``chunks`` messages: on a node a
-    copy between neighbours; across nodes one pair per node crosses the
-    link at the same time, the others copy."""
-    t = chunks * hw.alpha + b * hw.beta if hw.rpn > 1 else 0.0
-    if hw.nodes > 1:
-        t = max(t, chunks * hw.net_alpha + b * hw.net_beta)
-    return t
-
-
-def _ring(hw, v, s, w, P, chunks):
-    piece = v / P
-    comp = piece * (hw.k("encode") + (P - 1) * hw.k("hop") + P * hw.k("decode"))
-    comm = 2 * (P - 1) * _step(hw, w * piece, chunks)
-    return _overlap(comm, comp, chunks)
-
-
-def _two_shot(hw, v, s, w, P, chunks):
-    piece = v / P
-    comp = v * hw.k("encode") + (P - 1) * piece * hw.k("many") + v * hw.k("decode")
-    b = w * piece
-    scatter = (P - 1) * (chunks * hw.alpha + b * hw.beta) if hw.rpn > 1 else 0.0
-    if hw.nodes > 1:
-        # every rank of a node sends its pieces for the other nodes' ranks
-        # over the node's one link
-        away = P - hw.rpn
-        scatter = max(scatter, away * chunks * hw.net_alpha + hw.rpn * away * b * hw.net_beta)
-    gather = (P - 1) * _step(hw, b, chunks)
-    return _overlap(scatter + gather, comp, chunks)
+    def k(self, name, values=None):
+        """Seconds per value of a kernel with every rank computing, in
+        calls of ``values`` values (threads as wire/threaded.py cuts them:
+        parts of at least MIN_PART values; None: all threads)."""
+        t = self.kern[name] * self.share
+        if self.threads == 1:
+            return t
+        T = self.threads if values is None else min(self.threads,
+                                                    max(1, int(values) // MIN_PART))
+        if T == 1:
+            return t
+        sp = self._speed.get((name, T))
+        if sp is None:
+            sp = self._speed[name, T] = thread_speedup(self._measured, name, T)
+        return min(t, max(t / sp, self.floor[name]))
 
 
-def _shm(hw, n, P):
-    if n <= ONESHOT_BYTES:       # copy in, sync, every rank reduces all P slots
-        return n * hw.copy + P * n * hw.copy / 2 + hw.sync
-    # copy in, reduce (read every slot's slice, write one), copy out
-    return 3 * n * hw.copy + 2 * hw.sync
+# --- kernel threads (option threads, wire/threaded.py) -------------------------------
+#: a kernel's parallel fraction f (Amdahl: T threads run it 1/((1 - f) + f/T)
+#: times as fast) where the profile measured no thread rates: 1.67x at 2
+#: threads, below the 1.7x issue 22 asks of 2 threads, 3.33x at 8
+ASSUMED_PARALLEL = 0.8
+#: memory traffic of each kernel in copied bytes per value, (a, b): a input
+#: bytes and b wire bytes, read or written, counted half (a copy of n bytes
+#: reads n and writes n); many: per input
+TRAFFIC = {"encode": (1, 1), "decode": (1, 1), "decode_reduce": (2, 1), "hop": (1, 2),
+           "many": (1, 1)}
+#: the kernel whose measured speedup "many" (two-shot's reduce) takes:
+#: bench_threads does not time it, and it is a decode-reduce of each input
+THREAD_LIKE = {"many": "decode_reduce"}
+#: bytes per value of the kernels' input dtypes
+ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def _mpi(hw, n, P):
-    """An exact Allreduce: the better of a ring (reduce-scatter +
-    all-gather) and recursive doubling, sums at copy speed."""
-    ring = 2 * (P - 1) * _step(hw, n / P, 1) + n * hw.copy
-    doubling = max(1.0, lg(P)) * (_step(hw, n, 1) + n * hw.copy)
-    return min(ring, doubling)
+def thread_rates(profile, wire):
+    """{threads: {kernel: measured speedup}} of ``wire`` (else int8's, as
+    the kernel times) in ``profile["threads"]``, or {} (none measured)."""
+    got = profile.get("threads") or {}
+    per = got.get(wire) or got.get("int8") or {}
+    return {int(T): ks for T, ks in per.items()}
 
 
-def _variant(hw, **changes):
-    out = Hw.__new__(Hw)
-    out.__dict__.update(hw.__dict__, **changes)
-    return out
+def _amdahl(s, T0, T):
+    """The speedup at T threads of a kernel sped up s times by T0 > 1."""
+    f = (1 - 1 / s) / (1 - 1 / T0)
+    return 1 / ((1 - f) + f / T)
 
 
-def _physical(method, hw, v, s, w, chunks):
-    """Seconds for an Allreduce of v values of s bytes, w wire bytes per
-    value, on hw's layout, shards cut into ``chunks`` pieces."""
-    P = hw.nodes * hw.rpn
-    n = v * s
-    if method == "mpi":
-        return _mpi(hw, n, P)
-    if method == "shm":
-        return _shm(hw, n, P)
-    if method == "ring":
-        return _ring(hw, v, s, w, P, chunks)
-    if method == "two_shot":
-        return _two_shot(hw, v, s, w, P, chunks)
-    if method == "hierarchical":
-        # exact halves on each node; between them one rank per node runs
-        # the two-shot on 1/L of the message, L such groups sharing a link
-        inner = _variant(hw, rpn=1, net_beta=hw.net_beta * hw.rpn)
-        return (_shm(_variant(hw, nodes=1), n, hw.rpn)
-                + _two_shot(inner, v / hw.rpn, s, w, hw.nodes, chunks))
-    raise ValueError(f"no method {method!r}")
+def thread_speedup(measured, name, T):
+    """How many times faster ``T`` threads run kernel ``name``: measured at
+    T where measured; else Amdahl's law through the largest measured count
+    below T (above T if none), or ASSUMED_PARALLEL where nothing was
+    measured; each measurement clamped to [1, its threads]; the running
+    maximum over 1..T, so that more threads are never slower."""
+    name = THREAD_LIKE.get(name, name)
+    pts = {c: min(float(c), max(1.0, ks[name])) for c, ks in measured.items()
+           if c > 1 and name in ks}
+    best = 1.0
+    for t in range(2, T + 1):
+        if t in pts:
+            s = pts[t]
+        elif pts:
+            below = [c for c in pts if c < t]
+            c = max(below) if below else min(pts)
+            s = _amdahl(pts[c], c, t) if pts[c] > 1 else 1.0
+        else:
+            s = 1 / ((1 - ASSUMED_PARALLEL) + ASSUMED_PARALLEL / t)
+        best = max(best, min(float(t), s))
+    return best
+
+
+def node_copy(profile):
+    """Seconds per byte of the node's memory copy with every rank at it: the
+    fastest of one rank alone and each one-node layout's rate times its
+    ranks (the profile's machine)."""
+    return min([profile["copy"]] + [lay["copy"] / lay["rpn"] for lay in
+                                    profile["layouts"].values()
+                                    if lay["nodes"] == 1 and lay.get("copy")])
+
+
+#: a wire's kernel time over int8's (encode, decode, decode_reduce and many,
+#: hop) where a profile has int8's only: docs/results/formats-kernels.txt, one
+#: core, wires interleaved, default blocks; bf16, fp32 (not there): as int8
+SLOWER = {"int4": (1.30, 1.11, 1.33, 1.72), "fp8": (1.73, 1.19, 1.31, 2.38),
+          "int8-affine": (1.47, 1.35, 1.35, 2.63), "int4-affine": (1.75, 1.72, 1.60, 3.33)}
+
+
+def _like_int8(int8, wire):
+    e, d, dr, hop = SLOWER.get(wire, (1.0, 1.0, 1.0, 1.0))
+    f = {"encode": e, "decode": d, "decode_reduce": dr, "many": dr, "hop": hop}
+    return {dt: {k: t * f[k] for k, t in ks.items()} for dt, ks in int8.items()}
+
+
+#: where no profile measured a method, its prediction is corrected by the
+#: measurements of the one it runs most like (the ring's hops and pieces)
+CORRECTED_LIKE = {"rabenseifner": "ring"}
 
 
 #: Sizes the model is tabulated at: quarter octaves from 256 B to 28 GiB.
@@ -251,12 +252,16 @@ def _default_chunks(one_node, shard_bytes):
 
 class Model:
     """Predicted seconds of each method for calls on one communicator of
-    ``nodes`` x ``rpn`` ranks with these wire options: ``time(method,
-    nbytes, itemsize, dtype_name)``; ``error(method)``."""
+    ``nodes`` x ``rpn`` ranks with these wire options, each rank running
+    its kernels over ``threads`` threads (at most the profile's cores per
+    rank): ``time(method, nbytes, itemsize, dtype_name)``;
+    ``error(method)``."""
 
-    def __init__(self, profile, nodes, rpn, wire, block, chunks=None):
+    def __init__(self, profile, nodes, rpn, wire, block, chunks=None, threads=1):
         self.profile, self.nodes, self.rpn = profile, nodes, rpn
         self.wire, self.block, self.chunks = wire, block, chunks
+        #: threads beyond the cores of a rank's share of the node gain nothing
+        self.threads = max(1, min(threads, profile["cores"] // rpn))
         self._hw, self._wire_bytes, self._ratios, self._tables = {}, {}, {}, {}
         #: below the smallest size any layout measured the model only
         #: extrapolates (at 8 B it puts MPI at tens of microseconds, where
@@ -267,8 +272,11 @@ class Model:
     def hw(self, dtype_name):
         h = self._hw.get(dtype_name)
         if h is None:
-            h = self._hw[dtype_name] = Hw(self.profile, self.nodes, self.rpn, self.wire,
-                                          dtype_name)
+            h = Hw(self.profile, self.nodes, self.rpn, self.wire, dtype_name)
+            s = ITEMSIZE.get(dtype_name, 4)
+            h = self._hw[dtype_name] = h.threaded(
+                self.profile, self.wire, self.threads, node_copy(self.profile) * self.rpn, s,
+                self.wire_bytes(s))
         return h
 
     def wire_bytes(self, itemsize):
@@ -286,7 +294,7 @@ class Model:
             return self.chunks
         if method == "hierarchical":
             return _default_chunks(False, nbytes / (self.rpn * self.nodes))
-        if method in ("ring", "two_shot"):
+        if method in SCHEDULES:
             return _default_chunks(self.nodes == 1, nbytes / (self.rpn * self.nodes))
         return 1
 
@@ -298,27 +306,33 @@ class Model:
             # MPI has no 16-bit floats: float32 copies, converted there and back
             return _physical("mpi", hw, v, 4, 0, 1) + 3 * nbytes * hw.copy
         return _physical(method, hw, v, itemsize, self.wire_bytes(itemsize),
-                         self.pieces(method, nbytes))
+                         self.pieces(method, nbytes), between_nodes(self.wire))
 
     def correction(self, method, nbytes):
         """measured / physical for ``method`` at this size on the nearest
-        measured layout of the same kind (1 where none measured it)."""
+        measured layout of the same kind (1 where none measured it or, for
+        CORRECTED_LIKE's methods, the method they run like)."""
         r = self._ratios.get(method)
         if r is None:
-            one = self.nodes == 1
-            found = _nearest(self.profile["layouts"], self.nodes, self.rpn,
-                             lambda lay: ((lay["nodes"] == 1) == one
-                                          and method in lay.get("times", {})))
-            if found is None:
-                r = ([1.0], [1.0])
-            else:
-                lay = found[1]
-                ref = Model(self.profile, lay["nodes"], lay["rpn"], lay.get("wire", "int8"),
-                            lay.get("block", 256))
-                r = (lay["sizes"], [t / ref.physical(method, n, 4)
-                                    for n, t in zip(lay["sizes"], lay["times"][method])])
-            self._ratios[method] = r
+            r = self._ratios[method] = self._ratio(method) or self._ratio(
+                CORRECTED_LIKE.get(method)) or ([1.0], [1.0])
         return _interp(r[0], r[1], nbytes)
+
+    def _ratio(self, method):
+        """(sizes, measured / physical) for ``method``, or None."""
+        one = self.nodes == 1
+        found = method and _nearest(self.profile["layouts"], self.nodes, self.rpn,
+                                    lambda lay: ((lay["nodes"] == 1) == one
+                                                 and method in lay.get("times", {})))
+        if not found:
+            return None
+        lay = found[1]
+        # at the threads the layout was measured with (none before tune
+        # recorded them: one)
+        ref = Model(self.profile, lay["nodes"], lay["rpn"], lay.get("wire", "int8"),
+                    lay.get("block", 256), threads=lay.get("threads", 1))
+        return (lay["sizes"], [t / ref.physical(method, n, 4)
+                               for n, t in zip(lay["sizes"], lay["times"][method])])
 
     def time(self, method, nbytes, itemsize, dtype_name="float32"):
         """Predicted seconds of an Allreduce of nbytes per rank: physical

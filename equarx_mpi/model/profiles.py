@@ -54,6 +54,14 @@ def check(p):
     for name in ("cores", "copy", "kernels", "layouts"):
         if name not in p:
             raise ValueError(f"profile lacks {name!r}")
+    # optional (tune measures it since issue 22): {wire: {"T": {kernel:
+    # speedup at T threads}}}; profiles without it use costmodel's assumption
+    for wire, per in (p.get("threads") or {}).items():
+        for T, ks in per.items():
+            if not (str(T).isdigit() and int(T) >= 2 and isinstance(ks, dict) and all(
+                    isinstance(v, (int, float)) and v > 0 for v in ks.values())):
+                raise ValueError(f"profile threads[{wire!r}][{T!r}]: expected thread counts "
+                                 f">= 2 and positive speedups")
     for name, lay in p["layouts"].items():
         n = len(lay.get("sizes", []))
         if any(len(t) != n for t in lay.get("times", {}).values()):
@@ -73,9 +81,9 @@ def merge(base, top):
     for k, v in top.items():
         if k == "layouts":
             out["layouts"].update(_copy.deepcopy(v))
-        elif k == "kernels":
+        elif k in ("kernels", "threads"):
             for wire, per in v.items():
-                out["kernels"].setdefault(wire, {}).update(_copy.deepcopy(per))
+                out.setdefault(k, {}).setdefault(wire, {}).update(_copy.deepcopy(per))
         else:
             out[k] = _copy.deepcopy(v)
     return out

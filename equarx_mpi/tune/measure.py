@@ -5,8 +5,8 @@ for algorithm="auto" (docs/TUNING.md).
     python -m equarx_mpi.tune predict --ranks 16,64,256,1024 --rate 10gbit,100gbit
     python -m equarx_mpi.tune check BENCH.json --layout 1x8
 
-measure (the default, under mpirun): kernel rates and a memory copy on one
-rank, then for each layout it can form from the job's ranks (the first 2,
+measure (the default, under mpirun): kernel rates, their speedup at T
+threads (``--threads``) and a memory copy on one rank, then for each layout it can form from the job's ranks (the first 2,
 4, ... ranks of one node; one rank on each of 2, 4, ... nodes; the whole
 job) the message latency and bandwidth inside a node and between nodes, a
 barrier, a copy and a kernel with every rank busy, and the time of every
@@ -29,11 +29,17 @@ import time
 import numpy as np
 
 from equarx_mpi.bench.common import arg_type, comma_list, human, mpi_library, parse_size
+from equarx_mpi.call import options
 from equarx_mpi.model import costmodel, profiles
 
 DTYPES = ("float32", "float64", "float16", "bfloat16")
-METHODS_ONE_NODE = ("mpi", "shm", "ring", "two_shot")
-METHODS_NETWORK = ("mpi", "ring", "two_shot")
+#: the quantized schedules over all ranks tune times: rabenseifner where
+#: this version has it (without a measurement the model corrects it as
+#: the ring, costmodel.CORRECTED_LIKE)
+SCHEDULES = ("ring", "two_shot") + (
+    ("rabenseifner",) if "rabenseifner" in options.ALGORITHMS else ())
+METHODS_ONE_NODE = ("mpi", "shm") + SCHEDULES
+METHODS_NETWORK = ("mpi",) + SCHEDULES
 
 
 def _settle(comm):
@@ -189,9 +195,10 @@ def _methods_times(comm, methods, sizes, iters, opts, say):
             out[m].append(comm.allreduce(float(np.median(ts[m]))) / P)
         say("#   " + human(n).rjust(9) + "  " + "  ".join(
             f"{m} {out[m][-1] * 1e3:.3f} ms" for m in methods))
+    threads = qcs[methods[0]].threads
     for q in qcs.values():
         q.free()
-    return out
+    return out, threads
 
 
 def _measure_layout(sub, nodes, rpn, args, alone, say):
@@ -220,8 +227,6 @@ def _measure_layout(sub, nodes, rpn, args, alone, say):
     methods = METHODS_ONE_NODE if nodes == 1 else METHODS_NETWORK
     if nodes > 1 and rpn > 1:
         methods += ("hierarchical",)
-    if args.wire not in ("int8", "bf16", "fp32"):
-        methods = tuple(m for m in methods if m != "two_shot")
     say(f"# layout {nodes}x{rpn}: sync {lay['sync'] * 1e6:.1f} us, copy "
         f"{1e-9 / lay['copy']:.2f} GB/s per rank, kernels x{lay['share']:.2f} when all busy"
         + (f", node messages {lay['p2p'][0] * 1e6:.1f} us + {1e-9 / lay['p2p'][1]:.2f} GB/s"
@@ -229,8 +234,10 @@ def _measure_layout(sub, nodes, rpn, args, alone, say):
         + (f", network {lay['net'][0] * 1e6:.1f} us + {1e-9 / lay['net'][1]:.3f} GB/s"
            if lay["net"] else ""))
     lay["sizes"] = list(args.sizes)
-    lay["times"] = _methods_times(sub, methods, args.sizes, args.iters,
-                                  dict(wire=args.wire, block_size=args.block), say)
+    # and the threads they ran with: the model's correction is at those
+    lay["times"], lay["threads"] = _methods_times(sub, methods, args.sizes, args.iters,
+                                                  dict(wire=args.wire, block_size=args.block),
+                                                  say)
     return lay
 
 
@@ -272,6 +279,7 @@ def measure(args):
         a, b = np.ones(n, np.uint8), np.empty(n, np.uint8)
         prof["copy"] = _best_time(lambda: np.copyto(b, a), args.reps) / n
         say(f"#   copy {1e-9 / prof['copy']:.2f} GB/s")
+        prof["threads"] = _thread_speedups(args, node.Get_size(), say)
     _settle(world)
     prof = world.bcast(prof)
     alone = prof["kernels"][args.wire]["float32"]["hop"]
@@ -295,6 +303,25 @@ def measure(args):
         _save(prof, path, args.fresh)
         say(f"# saved {path} ({prof['machine']['seconds']} s)")
     return 0
+
+
+def _thread_speedups(args, local, say):
+    """{wire: {"T": {kernel: rate at T threads / rate at 1}}} (float32, wall
+    time, in turns: bench kernels --threads; the fused hop as "hop"), {}
+    at T = 1.  T: --threads, else a QuantizedComm's here (option threads,
+    else the cores over the ``local`` ranks), else where that is one this
+    process's cores (rank 0 measures alone, the other ranks asleep)."""
+    from equarx_mpi.bench.kernels import bench_threads
+    from equarx_mpi.wire.threaded import default_threads
+    T = args.threads or options.resolve({})["threads"] or default_threads(local)
+    T = T if T > 1 or args.threads else default_threads(1)
+    n, out = max(args.kernel_values, 1 << 20), {}     # a thread's part >= MIN_PART values
+    for (wire, name), (_, _, ratio) in (bench_threads(n, args.wires, T, args.reps)
+                                        if T > 1 else {}).items():
+        name = "hop" if name == "decode_reduce_encode" else name
+        out.setdefault(wire, {}).setdefault(str(T), {})[name] = ratio
+        say(f"#   {wire} at {T} threads: {name} x{ratio:.2f}")
+    return out
 
 
 def _block(wire):
@@ -340,6 +367,10 @@ def build_parser(commands=""):
                    metavar="S,S", help="message sizes per rank (default 16K,64K,256K,1M,4M,"
                    "16M,64M, with --quick 64K,1M; among them the shared window's one-shot "
                    "limit, 64K, and the named algorithms' floors, 256K and 4M)")
+    p.add_argument("--threads", type=int, default=None, metavar="T",
+                   help="kernel threads whose speedup over one is measured (default: "
+                   "the communicator's, or this process's cores where that is one; "
+                   "1: none)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per size and method "
                    "(default 5, --quick 2)")
     return p

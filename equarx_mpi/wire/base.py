@@ -85,6 +85,20 @@ class Format(Streams):
     def block_errors(self, w, rmode):
         return None
 
+    #: headers per block (the affine wires keep two: minimum and maximum)
+    heads_per_block = 1
+
+    def part(self, w, lo, hi):
+        """The views of values [lo, hi) of a piece's views w; lo is a
+        multiple of the block (wire/threaded.py runs parts on threads)."""
+        B, k = self.block, self.heads_per_block
+        codes = w[1][lo // 2:(hi + 1) // 2] if self.nibbles else w[1][lo:hi]
+        return w[0][k * (lo // B):k * -(-hi // B)], codes
+
+    def part_stack(self, ws, lo, hi):
+        """The same for stack_views' views; None: not cut (one thread)."""
+        return None
+
     def message(self, buf):
         """The bytes of a piece's buffer to send (mixed: fewer)."""
         return buf

@@ -18,6 +18,7 @@ from equarx_mpi.wire.base import (  # noqa: F401
     default_block,
     pad8,
 )
+from equarx_mpi.wire.many import ComposedMany
 from equarx_mpi.wire.mixed import Mixed
 
 
@@ -57,8 +58,9 @@ class Int8Block(_Symmetric):
         h = self.head.itemsize * -(-n // self.block)
         return buf[:h].view(self.head), buf[h:h + n].view(np.int8)
 
-    def encode(self, src, w, rmode):
-        K.i8_encode(src, w[0], w[1], self.block, self.scratch, rmode, self._stream(src, rmode))
+    def encode(self, src, w, rmode, at=None):
+        K.i8_encode(src, w[0], w[1], self.block, self.scratch, rmode,
+                    self._stream(src if at is None else at, rmode))
 
     def decode(self, w, out):
         skipped = self._skip(out.size)
@@ -69,9 +71,9 @@ class Int8Block(_Symmetric):
         return skipped[:K.i8_decode_reduce(own, w[0], w[1], out, self.block, op,
                                            self.scratch, skipped)]
 
-    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+    def decode_reduce_encode(self, own, wi, wo, op, rmode, at=None):
         K.i8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
-                                  self.scratch, rmode, self._stream(own, rmode))
+                                  self.scratch, rmode, self._stream(own if at is None else at, rmode))
 
     def stack_views(self, buf, n, count, stride=None):
         # (headers, one row each; whole messages as int8 rows; where codes
@@ -80,6 +82,11 @@ class Int8Block(_Symmetric):
         rows = buf[:count * size].reshape(count, size)
         h = self.head.itemsize * -(-n // self.block)
         return rows[:, :h].view(self.head), rows.view(np.int8), h
+
+    def part_stack(self, ws, lo, hi):
+        # the kernel finds a value's code at column h + its index
+        B = self.block
+        return ws[0][:, lo // B:-(-hi // B)], ws[1], ws[2] + lo
 
     def decode_reduce_many(self, own, pos, ws, out, op):
         skipped = self._skip(out.size)
@@ -92,7 +99,7 @@ class Int8Block(_Symmetric):
 
 
 
-class Int4Block(_Symmetric):
+class Int4Block(ComposedMany, _Symmetric):
     """Symmetric int4, two codes per byte: per block its largest magnitude
     in the accumulation type, then the codes (kernels/int4.py)."""
     name = "int4"
@@ -109,8 +116,9 @@ class Int4Block(_Symmetric):
         h = self.head.itemsize * -(-n // self.block)
         return buf[:h].view(self.head), buf[h:h + (n + 1) // 2].view(np.int8)
 
-    def encode(self, src, w, rmode):
-        K.i4_encode(src, w[0], w[1], self.block, self.scratch, rmode, self._stream(src, rmode))
+    def encode(self, src, w, rmode, at=None):
+        K.i4_encode(src, w[0], w[1], self.block, self.scratch, rmode,
+                    self._stream(src if at is None else at, rmode))
 
     def decode(self, w, out):
         skipped = self._skip(out.size)
@@ -121,12 +129,12 @@ class Int4Block(_Symmetric):
         return skipped[:K.i4_decode_reduce(own, w[0], w[1], out, self.block, op,
                                            self.scratch, skipped)]
 
-    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+    def decode_reduce_encode(self, own, wi, wo, op, rmode, at=None):
         K.i4_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
-                                  self.scratch, rmode, self._stream(own, rmode))
+                                  self.scratch, rmode, self._stream(own if at is None else at, rmode))
 
 
-class Fp8Block(_Symmetric):
+class Fp8Block(ComposedMany, _Symmetric):
     """e4m3 codes scaled per block so its largest magnitude maps to 448:
     per block that magnitude in the accumulation type, then one code byte
     per value (kernels/fp8.py)."""
@@ -144,7 +152,7 @@ class Fp8Block(_Symmetric):
         h = self.head.itemsize * -(-n // self.block)
         return buf[:h].view(self.head), buf[h:h + n].view(np.uint8)
 
-    def encode(self, src, w, rmode):
+    def encode(self, src, w, rmode, at=None):
         K.f8_encode(src, w[0], w[1], self.block, self.scratch, rmode)
 
     def decode(self, w, out):
@@ -156,12 +164,12 @@ class Fp8Block(_Symmetric):
         return skipped[:K.f8_decode_reduce(own, w[0], w[1], out, self.block, op,
                                            self.scratch, skipped)]
 
-    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+    def decode_reduce_encode(self, own, wi, wo, op, rmode, at=None):
         K.f8_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, op,
                                   self.scratch, rmode)
 
 
-class AffineBlock(Format):
+class AffineBlock(ComposedMany, Format):
     """Unsigned levels between each block's minimum and maximum, for data
     with an offset: per block (lo, hi) in the accumulation type, then one
     code per byte ("int8-affine", 255 levels) or two ("int4-affine", 15)
@@ -172,6 +180,7 @@ class AffineBlock(Format):
         self.nibbles = name == "int4-affine"
         super().__init__(block, kdtype)
         self.levels = 15 if self.nibbles else 255
+        self.heads_per_block = 2
         self.head = acc_dtype(kdtype)
         self.scratch = np.empty(2 * block, self.head)     # values and their codes
         u, self._eta = bound.acc_rounding(self.head)
@@ -204,7 +213,7 @@ class AffineBlock(Format):
         h = 2 * self.head.itemsize * -(-n // self.block)
         return buf[:h].view(self.head), buf[h:h + self._code_bytes(n)]
 
-    def encode(self, src, w, rmode):
+    def encode(self, src, w, rmode, at=None):
         K.af_encode(src, w[0], w[1], self.block, self.levels, self.scratch, rmode)
 
     def decode(self, w, out):
@@ -216,7 +225,7 @@ class AffineBlock(Format):
         return skipped[:K.af_decode_reduce(own, w[0], w[1], out, self.block, self.levels, op,
                                            self.scratch, skipped)]
 
-    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+    def decode_reduce_encode(self, own, wi, wo, op, rmode, at=None):
         K.af_decode_reduce_encode(own, wi[0], wi[1], wo[0], wo[1], self.block, self.levels,
                                   op, self.scratch, rmode)
 
@@ -260,10 +269,13 @@ class Plain(Format):
     def nbytes(self, n):
         return pad8(n * self.wire.itemsize)
 
+    def part(self, w, lo, hi):
+        return w[lo:hi]
+
     def views(self, buf, n):
         return buf[:n * self.wire.itemsize].view(self.wire)
 
-    def encode(self, src, w, rmode):
+    def encode(self, src, w, rmode, at=None):
         K.plain_encode(src, w)
 
     def decode(self, w, out):
@@ -275,7 +287,7 @@ class Plain(Format):
         return skipped[:K.plain_decode_reduce(own, w, out, self.block, op, self.scratch,
                                               skipped)]
 
-    def decode_reduce_encode(self, own, wi, wo, op, rmode):
+    def decode_reduce_encode(self, own, wi, wo, op, rmode, at=None):
         K.plain_decode_reduce_encode(own, wi, wo, op)
 
     def stack_views(self, buf, n, count, stride=None):

@@ -89,7 +89,7 @@ class Mixed(Format):
             self._heads = np.empty(2 * nb, self.head)
         return self._heads
 
-    def encode(self, src, w, rmode):
+    def encode(self, src, w, rmode, at=None):
         room = 0.0 if self.budget is None else self.budget.send
         K.mx_encode(src, *w[:6], self.block, room, self.u, self.eta, self.scratch,
                     self._heads_for(src.size))

@@ -1,0 +1,132 @@
+"""Plain numpy simulation of algorithm="rabenseifner"
+(equarx_mpi/collectives/rabenseifner.py), written from its description and
+the wire formats' references (reference.py, reference_formats.py), used bit
+for bit by tests/test_mpi_rabenseifner.py.
+
+Per shard, value by value: P' = the largest power of two <= P ranks take
+part (rank i of them is rank 2i+1 for i < rem = P - P', else i + rem);
+rank 2i first sends its input quantized to 2i+1, which adds it in.  At
+halving step k (distance d = P'/2^(k+1)) every holder of the shard's
+partial sum whose bit d differs from the owner's sends it, quantized once,
+to its partner, which adds it to its own partial sum at full precision
+(the accumulation type).  The owner quantizes the finished shard once
+(Allreduce) or keeps it at full precision (Reduce_scatter_block; the
+folded rank 2i's shard is quantized once more by 2i+1, which sends it).
+Blocks that hold Inf or NaN at any point end flagged (NaN here)."""
+import numpy as np
+from reference import (
+    ROUNDING,
+    _block_codec,
+    _half_tiny,
+    _nonfinite_blocks,
+    _over_limit,
+    _send,
+    acc_dtype,
+    quantize,
+    reduce,
+    to_acc,
+    unit_roundoff,
+)
+
+
+def owners(n, P, block, kind):
+    """Per rank i of the P' taking part, the (lo, hi) segments it owns
+    (blocks counted from each segment's start); and the map to real ranks."""
+    P2 = 1 << (P.bit_length() - 1)
+    rem = P - P2
+    real = [2 * i + 1 if i < rem else i + rem for i in range(P2)]
+    if kind == "allreduce":
+        nb = -(-n // block)
+        e = [min(i * nb // P2 * block, n) for i in range(P2 + 1)]
+        return [[(e[i], e[i + 1])] for i in range(P2)], real
+    m = n // P
+    sh = [(s * m, (s + 1) * m) for s in range(P)]
+    return [[sh[2 * i], sh[2 * i + 1]] if i < rem else [sh[i + rem]] for i in range(P2)], real
+
+
+def _add(op, mine, dec, block):
+    """mine (op) dec at full precision, whole blocks NaN where the result
+    or (MAX/MIN) mine holds Inf or NaN: the kernels flag them."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        part = reduce(op, mine, dec)
+    bad = _nonfinite_blocks(part, block) | _nonfinite_blocks(mine, block)
+    return np.where(bad, np.nan, part).astype(mine.dtype)
+
+
+def _gone(part, dec, block, rounding, wire, dtype, key):
+    """Which values the final decode into dtype skips (as two-shot's)."""
+    if wire == "int8":
+        heads = np.repeat(quantize(part, block, rounding, key)[0], block)[:part.size]
+        return _over_limit(heads, 1, dtype)
+    codec = _block_codec(wire)
+    if codec is not None:
+        mags = codec.magnitude(codec.quantize(part, block, rounding, key), block, part.size)
+        return _over_limit(mags, 1, dtype)
+    return _nonfinite_blocks(dec, block)
+
+
+def rabenseifner_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce",
+                           wire="int8", keys=None):
+    """What the schedule returns (kind "reduce_scatter": the full-length
+    result, rank s keeping shard s of n/P); with with_bound also (bound,
+    flagged): per value the senders' quantization bounds along its tree,
+    u |partial sum| per addition (SUM), the owner's quantization and the
+    final cast.  ``keys``: each rank's call_key, for a SUM rounded
+    stochastically."""
+    P = len(inputs)
+    dtype = inputs[0].dtype
+    acc = acc_dtype(dtype)
+    u = unit_roundoff(acc)
+    own = [to_acc(x) for x in inputs]
+    n = own[0].size
+    if P == 1:
+        out = inputs[0].copy()
+        return (out, np.zeros(n), np.zeros(n, bool)) if with_bound else out
+    result = np.empty(n, acc)
+    bound = np.zeros(n)
+    rounding = "stochastic" if keys is not None and op == "sum" else ROUNDING[op]
+    segs, real = owners(n, P, block, kind)
+    P2 = len(real)
+    rem, L = P - P2, P2.bit_length() - 1
+    for t, mine in enumerate(segs):
+        for which, (lo, hi) in enumerate(mine):
+            if hi == lo:
+                continue
+            sl = slice(lo, hi)
+
+            def send(x, r):
+                return _send(x, block, rounding, wire, dtype,
+                             None if keys is None else (keys[r], lo))
+            part, bnd = {}, {}
+            for i in range(P2):
+                x, b = own[real[i]][sl], np.zeros(hi - lo)
+                if i < rem:                        # the fold
+                    dec, q = send(own[2 * i][sl], 2 * i)
+                    x = _add(op, x, dec, block)
+                    b = q + (u * np.abs(x.astype(np.float64)) if op == "sum" else 0)
+                part[i], bnd[i] = x, b
+            for k in range(L):
+                d = P2 >> (k + 1)
+                for i in [i for i in part if (i & d) != (t & d)]:
+                    j = i ^ d
+                    dec, q = send(part.pop(i), real[i])
+                    part[j] = _add(op, part[j], dec, block)
+                    bnd[j] = bnd[j] + bnd.pop(i) + q
+                    if op == "sum":
+                        bnd[j] += u * np.abs(part[j].astype(np.float64))
+            v, b = part[t], bnd[t]
+            if kind == "reduce_scatter" and not (t < rem and which == 0):
+                result[sl] = np.where(_over_limit(v, block, dtype), np.nan, v)
+                bound[sl] = b
+                continue
+            key = None if keys is None else (keys[real[t]], lo)
+            dec, q = _send(v, block, rounding, wire, dtype, key)
+            result[sl] = np.where(_gone(v, dec, block, rounding, wire, dtype, key), np.nan, dec)
+            bound[sl] = b + q
+    flagged = np.isnan(result)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = result.astype(dtype)
+    if np.dtype(dtype) != np.dtype(acc):            # the final cast
+        bound += unit_roundoff(dtype) * np.abs(out.astype(np.float64)) + _half_tiny(dtype)
+    out = out.reshape(inputs[0].shape)
+    return (out, bound, flagged) if with_bound else out
