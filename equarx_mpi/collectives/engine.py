@@ -79,15 +79,18 @@ def warm(fmt, kdtype, algorithm=None, kind=None, P=3, rmodes=None):
         fmt.decode_reduce(src, w, out, sum_)
     fmt.piece_error(w, nearest)
     if "partial" in needs and hasattr(fmt, "decode_reduce"):
-        # partial sums in a writable accumulator (rabenseifner.py): float32
-        # for 16-bit input; numba compiles writable and read-only arrays apart
+        # partial sums in an accumulator (rabenseifner.py), read through a
+        # read-only view: for float32/float64 the ring's signatures, for
+        # 16-bit input float32's and two of its own
         acc = np.zeros(n, acc_dtype(kdtype))
+        ro = acc.view()
+        ro.flags.writeable = False
         bound.warm((acc.dtype,))
         fmt.decode_reduce(src, w, acc, sum_)
-        fmt.decode_reduce(acc, w, acc, sum_)
-        fmt.decode_reduce(acc, w, out, sum_)
+        fmt.decode_reduce(ro, w, acc, sum_)
+        fmt.decode_reduce(ro, w, out, sum_)
         for rmode in rmodes:
-            fmt.decode_reduce_encode(acc, w, w, sum_, rmode, at=src)
+            fmt.decode_reduce_encode(ro, w, w, sum_, rmode, at=src)
     for count in counts if hasattr(fmt, "decode_reduce_many") else ():
         stack = fmt.stack_views(np.zeros(count * fmt.nbytes(n), np.uint8), n, count)
         if "decode_reduce_many" in needs:

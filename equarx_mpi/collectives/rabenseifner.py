@@ -173,6 +173,11 @@ class Plan:
         self.workspace_bytes = at
         ws = workspace(at)
         self.acc = ws[:acc_n * acc_t.itemsize].view(acc_t)
+        # read as a kernel's input through a read-only view: numba compiles
+        # writable and read-only arrays apart, and the ring's kernels read
+        # read-only inputs, so float32/float64 need no signature of their own
+        self.acc_ro = self.acc.view()
+        self.acc_ro.flags.writeable = False
         self.slot = {}
         for name, a_ids in regions.items():
             self.slot[name] = {}
@@ -293,7 +298,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
         trigger.update((id(m.slots[-1][1]), (m, partner, TAG_GATHER)) for m in ours)
     if plan.kind == "reduce_scatter" and plan.folds:
         trigger.update((id(m.slots[-1][1]), (m, rank - 1, TAG_BACK)) for m in plan.back_recv)
-    acc, acc_lo, L = plan.acc, plan.acc_lo, plan.L
+    acc, acc_ro, acc_lo, L = plan.acc, plan.acc_ro, plan.acc_lo, plan.L
     e_acc = {}                              # atom -> bound of its partial sum in acc
 
     def written(p):
@@ -304,13 +309,13 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
     def fused(a, p, q, final=False, held=True):
         """q = Q(partial of atom a (op) D(p)), q may be p."""
         e_in = float(p.t[1])                # before the payload is rewritten in place
-        src = acc[p.lo - acc_lo:p.hi - acc_lo] if a in e_acc else own_of(p)
+        src = acc_ro[p.lo - acc_lo:p.hi - acc_lo] if a in e_acc else own_of(p)
         fmt.decode_reduce_encode(src, p.w, q.w, op, rmode, at=own_of(p))
         tally.fused(e_in, e_acc.get(a, tally.e), q, final, held)
         written(q)
 
     def accumulate(a, p):
-        src = acc[p.lo - acc_lo:p.hi - acc_lo] if a in e_acc else own_of(p)
+        src = acc_ro[p.lo - acc_lo:p.hi - acc_lo] if a in e_acc else own_of(p)
         dst = acc[p.lo - acc_lo:p.hi - acc_lo]
         skipped = fmt.decode_reduce(src, p.w, dst, op)
         for b in skipped:                   # the next quantization flags them again
@@ -328,7 +333,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
             fused(a, p, plan.slot["back"][a], final=True, held=False)
         else:
             e_in = float(p.t[1])
-            src = acc[p.lo - acc_lo:p.hi - acc_lo] if a in e_acc else own_of(p)
+            src = acc_ro[p.lo - acc_lo:p.hi - acc_lo] if a in e_acc else own_of(p)
             res = out_of(p)
             skipped = fmt.decode_reduce(src, p.w, res, op)
             tally.result(p.lo, p.hi, res, skipped, B, e_in=e_in, e_own=e_acc.get(a, tally.e))
