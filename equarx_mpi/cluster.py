@@ -40,9 +40,9 @@ DEFAULT_BTL = "self,sm,tcp"
 DEFAULT_COLL = "^han"
 DEFAULT_BURST = "1mb"
 DEFAULT_LATENCY = "20ms"
-#: one thread each per rank: the emulated hosts share this machine's cores
-THREAD_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
-              "EQUARX_MPI_THREADS")
+THREAD_ENV = tuple(f"{v}_NUM_THREADS" for v in ("OPENBLAS", "OMP", "MKL", "NUMBA")) + (
+    "EQUARX_MPI_THREADS",)
+
 
 def parse_latency(text):
     """Validated tc latency (us, ms or s: common.parse_latency), returned as
