@@ -91,3 +91,24 @@ def test_new_schedules_with_the_old_features(monkeypatch):
             w.free()            # the library's duplicates; WORLD's own handle stays
         bad = [k for k, v in got.items() if v.tobytes() != want.tobytes()]
         everywhere(not bad, f"{algorithm}/{wire}: {bad} differ from the blocking call")
+
+
+def test_error_feedback_with_threads(monkeypatch):
+    """Error feedback decodes what each (threaded) quantization sent: the
+    same outputs and residuals at 1 and 2 threads over three calls."""
+    from equarx_mpi import ErrorFeedback
+    monkeypatch.setattr(threaded, "MIN_PART", 2048)
+    x = np.random.default_rng(WORLD.Get_rank()).standard_normal(50001).astype(np.float32) + 3
+    got = {}
+    for threads in (1, 2):
+        for algorithm in ("ring", "two_shot"):
+            with QuantizedComm(WORLD, algorithm=algorithm, wire="int4", threads=threads,
+                               min_quantized_bytes=0) as qc:
+                ef, outs = ErrorFeedback(), []
+                for _ in range(3):
+                    out = np.empty_like(x)
+                    qc.Allreduce(x, out, feedback=ef)
+                    outs.append(out.tobytes())
+                got[threads, algorithm] = b"".join(outs) + ef.residual.tobytes()
+    everywhere(all(got[1, a] == got[2, a] for a in ("ring", "two_shot")),
+               "feedback: the same bits at 1 and 2 threads")
