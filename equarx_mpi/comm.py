@@ -30,7 +30,7 @@ from equarx_mpi.model import costmodel, profiles
 from equarx_mpi.names import BFLOAT16
 from equarx_mpi.running import Running
 from equarx_mpi.threads import check as check_threads
-from equarx_mpi.wire.threaded import default_threads
+from equarx_mpi.threads import default_threads
 
 _IN_PLACE = MPI.IN_PLACE
 

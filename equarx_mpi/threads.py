@@ -46,6 +46,13 @@ def cores():
         return os.cpu_count() or 1
 
 
+def default_threads(local_ranks):
+    """Kernel threads per rank when the option ``threads`` is None: this
+    process's cores over the ranks on its node, at least 1 (ranks x threads
+    within the cores)."""
+    return max(1, cores() // max(1, local_ranks))
+
+
 def _env_threads(names):
     """(count, name) from the first of ``names`` set to a positive integer,
     else None.  OpenBLAS reads "4" and OpenMP "4,2" (nested): the first."""

@@ -246,10 +246,18 @@ def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce", 
             dec = codec.dequantize(wire, block)
             heads = codec.magnitude(wire, block, m)
             result[sl] = np.where(_over_limit(heads, 1, dtype), np.nan, dec)
+    return finished(result, bound, inputs, with_bound)
+
+
+def finished(result, bound, inputs, with_bound):
+    """A simulated schedule's return: the result (accumulation type, NaN
+    where flagged) cast to the input type and shape, and with_bound also
+    (bound plus the final cast's rounding, flagged)."""
+    dtype = inputs[0].dtype
     flagged = np.isnan(result)
     with np.errstate(over="ignore", invalid="ignore"):
         out = result.astype(dtype)
-    if np.dtype(dtype) != np.dtype(acc):            # the final cast
+    if np.dtype(dtype) != np.dtype(acc_dtype(dtype)):      # the final cast
         bound += unit_roundoff(dtype) * np.abs(out.astype(np.float64)) + _half_tiny(dtype)
     out = out.reshape(inputs[0].shape)
     return (out, bound, flagged) if with_bound else out
@@ -397,10 +405,4 @@ def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduc
         else:
             gone = _nonfinite_blocks(dec, block)
         result[sl] = np.where(gone, np.nan, dec)
-    flagged = np.isnan(result)
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = result.astype(dtype)
-    if np.dtype(dtype) != np.dtype(acc):            # the final cast
-        bound += unit_roundoff(dtype) * np.abs(out.astype(np.float64)) + _half_tiny(dtype)
-    out = out.reshape(inputs[0].shape)
-    return (out, bound, flagged) if with_bound else out
+    return finished(result, bound, inputs, with_bound)

@@ -17,11 +17,11 @@ import numpy as np
 from reference import (
     ROUNDING,
     _block_codec,
-    _half_tiny,
     _nonfinite_blocks,
     _over_limit,
     _send,
     acc_dtype,
+    finished,
     quantize,
     reduce,
     to_acc,
@@ -123,10 +123,4 @@ def rabenseifner_allreduce(inputs, block, op="sum", with_bound=False, kind="allr
             dec, q = _send(v, block, rounding, wire, dtype, key)
             result[sl] = np.where(_gone(v, dec, block, rounding, wire, dtype, key), np.nan, dec)
             bound[sl] = b + q
-    flagged = np.isnan(result)
-    with np.errstate(over="ignore", invalid="ignore"):
-        out = result.astype(dtype)
-    if np.dtype(dtype) != np.dtype(acc):            # the final cast
-        bound += unit_roundoff(dtype) * np.abs(out.astype(np.float64)) + _half_tiny(dtype)
-    out = out.reshape(inputs[0].shape)
-    return (out, bound, flagged) if with_bound else out
+    return finished(result, bound, inputs, with_bound)

@@ -141,6 +141,42 @@ def run_library(qc, call, xs, r, op, in_place, n, P, dt):
     return out
 
 
+def first_checks(outs, out, xs, call, block, P):
+    """(checks, done): rank 0's checks every case shares: the same bits on
+    every rank, a copy on one rank, an Allgather against its simulation;
+    done when no reduction's checks follow."""
+    checks = [("identical on all ranks", call == "Reduce_scatter_block"
+               or all(o.tobytes() == outs[0].tobytes() for o in outs))]
+    if P == 1:
+        return checks + [("copy", out.tobytes() == xs[0].tobytes())], True
+    if call == "Allgather":
+        ref = allgather(xs, block)
+        bad = np.isnan(ref.astype(np.float64))
+        raw = np.concatenate(xs)
+        return checks + [("simulation", out[~bad].tobytes() == ref[~bad].tobytes()),
+                         ("exact blocks", out[bad].tobytes() == raw[bad].tobytes())], True
+    return checks, False
+
+
+def checked_against(outs, xs, call, op, dt, P, ref, bound, flagged, fixed):
+    """Rank 0's checks of a quantized reduction's gathered results ``outs``
+    against its simulation (ref, per-value bound, flagged values) and MPI's
+    exact reduction of the flagged values (``fixed``)."""
+    full = np.concatenate(outs) if call == "Reduce_scatter_block" else outs[0]
+    x64 = np.array([x.astype(np.float64) for x in xs])
+    with np.errstate(invalid="ignore", over="ignore"):
+        true = x64.sum(axis=0) if op == "sum" else getattr(np, op)(x64, axis=0)
+        slack = P * 2.0 ** -52 * np.abs(x64).sum(axis=0)
+        o = full.astype(np.float64)
+        ok = ~flagged
+        overflow = np.isinf(true.astype(dt))       # the exact result overflows the type
+        err_ok = (np.abs(o[ok] - true[ok]) <= bound[ok] + slack[ok]).all()
+    return [("simulation", full[ok].tobytes() == ref[ok].tobytes()),
+            ("bound", bool(err_ok)),
+            ("finite", bool((np.isfinite(o[ok]) | overflow[ok]).all())),
+            ("exact blocks", full[flagged].tobytes() == fixed.tobytes())]
+
+
 def check_case(qcs, rng, P, r):
     """Run one case on every rank; rank 0 gathers every result and checks
     them (the simulation is costly: once is enough).  Returns the failed
@@ -161,42 +197,49 @@ def check_case(qcs, rng, P, r):
     outs = WORLD.gather(out)
     if r != 0:
         return desc, []
-    checks = [("identical on all ranks", call == "Reduce_scatter_block"
-               or all(o.tobytes() == outs[0].tobytes() for o in outs))]
-    if P == 1:
-        return desc, checks + [("copy", out.tobytes() == xs[0].tobytes())]
-    if call == "Allgather":
-        ref = allgather(xs, block)
-        bad = np.isnan(ref.astype(np.float64))
-        raw = np.concatenate(xs)
-        return desc, checks + [("simulation", out[~bad].tobytes() == ref[~bad].tobytes()),
-                               ("exact blocks", out[bad].tobytes() == raw[bad].tobytes())]
+    checks, done = first_checks(outs, out, xs, call, block, P)
+    if done:
+        return desc, checks
     if flagged is None:
         return desc, checks + [("as MPI", out.tobytes() == want.tobytes())]
-    full = np.concatenate(outs) if call == "Reduce_scatter_block" else out
-    x64 = [x.astype(np.float64) for x in xs]
-    with np.errstate(invalid="ignore", over="ignore"):
-        true = np.sum(x64, axis=0)
-        slack = P * 2.0 ** -52 * np.sum(np.abs(x64), axis=0)
-        o = full.astype(np.float64)
-        ok = ~flagged
-        overflow = np.isinf(true.astype(dt))       # the exact result overflows the type
-        err_ok = (np.abs(o[ok] - true[ok]) <= bound[ok] + slack[ok]).all()
-    return desc, checks + [
-        ("simulation", full[ok].tobytes() == ref[ok].tobytes()),
-        ("bound", bool(err_ok)),
-        ("finite", bool((np.isfinite(o[ok]) | overflow[ok]).all())),
-        ("exact blocks", full[flagged].tobytes() == fixed.tobytes())]
+    return desc, checks + checked_against(outs, xs, call, op, dt, P, ref, bound, flagged, fixed)
 
 
-def test_random_cases_against_exact_answers():
+def check_schedule_case(qcs, rng, P, r, simulate, allgather=True):
+    """One random case of a quantized schedule (MAX and MIN quantized too)
+    whose numpy simulation is simulate(xs, block, op, with_bound=True,
+    kind=...); ``allgather=False`` runs an Allreduce where the generator
+    drew an Allgather.  Rank 0 checks every rank's result; returns the
+    checks there."""
+    dt, block, n, kind, call, op, in_place = draw(rng, P)
+    if call == "Allgather" and not allgather:
+        call = "Allreduce"
+    desc = (dt, block, n, kind, call, op, in_place)
+    xs = make(rng, kind, P * n if call == "Reduce_scatter_block" else n, P, dt, block)
+    out = run_library(qcs[block], call, xs, r, op, in_place, n, P, dt)
+    if call != "Allgather" and P > 1:
+        kind_ = "reduce_scatter" if call == "Reduce_scatter_block" else "allreduce"
+        sim = simulate(xs, block, op, with_bound=True, kind=kind_)
+        fixed = mpi("Allreduce", xs[r][sim[2]], op)      # collective: every rank
+    outs = WORLD.gather(out)
+    if r != 0:
+        return desc, []
+    checks, done = first_checks(outs, out, xs, call, block, P)
+    if done:
+        return desc, checks
+    return desc, checks + checked_against(outs, xs, call, op, dt, P, *sim, fixed)
+
+
+def run_cases(qcs, seed, cases, check):
+    """``cases`` random cases, each check(qcs, rng, P, r), on the
+    communicators qcs (by block size; freed after); the same random stream
+    on every rank, and every rank asserts rank 0's verdict."""
     P, r = WORLD.Get_size(), WORLD.Get_rank()
-    qcs = {b: QuantizedComm(WORLD, block_size=b, min_quantized_bytes=0) for b in BLOCKS}
-    rng = np.random.default_rng(SEED + P)            # the same stream on every rank
+    rng = np.random.default_rng(seed)
     failures = []
     try:
-        for case in range(CASES):
-            desc, checks = check_case(qcs, rng, P, r)
+        for case in range(cases):
+            desc, checks = check(qcs, rng, P, r)
             bad = [name for name, ok in checks if not ok]
             if bad:
                 failures.append((case, desc, bad))
@@ -205,3 +248,8 @@ def test_random_cases_against_exact_answers():
             q.free()
     failures = WORLD.bcast(failures)
     assert not failures, f"{len(failures)} failing cases, e.g. {failures[:3]}"
+
+
+def test_random_cases_against_exact_answers():
+    qcs = {b: QuantizedComm(WORLD, block_size=b, min_quantized_bytes=0) for b in BLOCKS}
+    run_cases(qcs, SEED + WORLD.Get_size(), CASES, check_case)

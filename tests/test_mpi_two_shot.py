@@ -16,7 +16,7 @@ import pytest
 from mpi4py import MPI
 from mpi_helpers import everywhere
 from reference import BF16, allgather, shard_edges, two_shot_allreduce
-from test_mpi_property import draw, make, mpi, run_library
+from test_mpi_property import check_schedule_case, mpi, run_cases
 
 from equarx_mpi import QuantizedComm
 from equarx_mpi.wire.formats import default_block
@@ -247,66 +247,12 @@ def test_every_wire(dtype, wire):
                f"{wire} Reduce_scatter_block equals the simulation")
 
 
-def check_case(qcs, rng, P, r):
-    """One random case (tests/test_mpi_property.py's generator); rank 0
-    checks every rank's result.  Returns the failed checks, on rank 0."""
-    dt, block, n, kind, call, op, in_place = draw(rng, P)
-    desc = (dt, block, n, kind, call, op, in_place)
-    xs = make(rng, kind, P * n if call == "Reduce_scatter_block" else n, P, dt, block)
-    out = run_library(qcs[block], call, xs, r, op, in_place, n, P, dt)
-    if call == "Allgather" or P == 1:
-        fixed = None
-    else:
-        kind_ = "reduce_scatter" if call == "Reduce_scatter_block" else "allreduce"
-        ref, bound, flagged = two_shot_allreduce(xs, block, op, with_bound=True, kind=kind_)
-        fixed = mpi("Allreduce", xs[r][flagged], op)      # collective: every rank
-    outs = WORLD.gather(out)
-    if r != 0:
-        return desc, []
-    checks = [("identical on all ranks", call == "Reduce_scatter_block"
-               or all(o.tobytes() == outs[0].tobytes() for o in outs))]
-    if P == 1:
-        return desc, checks + [("copy", out.tobytes() == xs[0].tobytes())]
-    if call == "Allgather":
-        ref = allgather(xs, block)
-        bad = np.isnan(ref.astype(np.float64))
-        raw = np.concatenate(xs)
-        return desc, checks + [("simulation", out[~bad].tobytes() == ref[~bad].tobytes()),
-                               ("exact blocks", out[bad].tobytes() == raw[bad].tobytes())]
-    full = np.concatenate(outs) if call == "Reduce_scatter_block" else out
-    x64 = np.array([x.astype(np.float64) for x in xs])
-    with np.errstate(invalid="ignore", over="ignore"):
-        true = x64.sum(axis=0) if op == "sum" else getattr(np, op)(x64, axis=0)
-        slack = P * 2.0 ** -52 * np.abs(x64).sum(axis=0)
-        o = full.astype(np.float64)
-        ok = ~flagged
-        err_ok = (np.abs(o[ok] - true[ok]) <= bound[ok] + slack[ok]).all()
-        overflow = np.isinf(true.astype(dt))
-    return desc, checks + [
-        ("simulation", full[ok].tobytes() == ref[ok].tobytes()),
-        ("bound", bool(err_ok)),
-        ("finite", bool((np.isfinite(o[ok]) | overflow[ok]).all())),
-        ("exact blocks", full[flagged].tobytes() == fixed.tobytes())]
-
-
 def test_random_cases_against_exact_answers():
     """Random dtypes, blocks, lengths, ops (MAX/MIN quantized too), in place
-    or not, and adversarial data."""
-    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    or not, and adversarial data (tests/test_mpi_property.py's generator)."""
     qcs = {b: QuantizedComm(WORLD, block_size=b, lossy_ops=("sum", "max", "min"), **TS)
            for b in (32, 64, 256, 1024)}
-    rng = np.random.default_rng(8 + P)                # the same stream on every rank
-    failures = []
-    try:
-        for case in range(CASES):
-            desc, checks = check_case(qcs, rng, P, r)
-            bad = [name for name, ok in checks if not ok]
-            if bad:
-                failures.append((case, desc, bad))
-    finally:
-        for q in qcs.values():
-            q.free()
-    failures = WORLD.bcast(failures)
-    assert not failures, f"{len(failures)} failing cases, e.g. {failures[:3]}"
+    run_cases(qcs, 8 + WORLD.Get_size(), CASES,
+              lambda *a: check_schedule_case(*a, two_shot_allreduce))
 
 

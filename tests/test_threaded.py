@@ -9,8 +9,9 @@ import pytest
 from reference import BF16
 
 from equarx_mpi.names import KERNEL_OP, ROUND_NEAREST, ROUND_STOCHASTIC, kernel_view
+from equarx_mpi.threads import default_threads
 from equarx_mpi.wire import formats
-from equarx_mpi.wire.threaded import Threaded, default_threads
+from equarx_mpi.wire.threaded import Threaded
 
 WIRES = list(formats.WIRES)
 DTYPES = [np.float32, np.float64, np.float16, BF16]

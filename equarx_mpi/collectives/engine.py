@@ -192,9 +192,9 @@ class Engine:
         fmt = self._formats.get(kdtype.str)
         if fmt is None:
             wire, block = self.opts["wire"], self.opts["block_size"]
-            fmt = formats.make_format(wire, block, kdtype)
-            if self.threads > 1 and wire != formats.MODE_WIRE:
-                fmt = Threaded(lambda: formats.make_format(wire, block, kdtype), self.threads)
+            make = lambda: formats.make_format(wire, block, kdtype)  # noqa: E731
+            fmt = (Threaded(make, self.threads) if self.threads > 1
+                   and wire != formats.MODE_WIRE else make())
             self._formats[kdtype.str] = fmt
         # error feedback decodes what each quantization sent: every kernel
         algorithm = None if feedback else algorithm

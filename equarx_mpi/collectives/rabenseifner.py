@@ -267,6 +267,12 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
         skipped = fmt.decode(p.w, out_of(p))
         flagged.extend(block_ranges(p, skipped, B))
 
+    def decode_final(m):
+        """m holds finished bytes of owners: each piece part of the result."""
+        for _, p in m.slots:
+            tally.final.append(p)
+            decode(p)
+
     if plan.P == 1:                         # nothing to reduce (the engine copies instead)
         out[...] = own
         return flagged
@@ -279,9 +285,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
             sends.append(comm.Isend(m.buf, rank + 1, TAG_FOLD))
         for m, req in back:
             req.Wait()
-            for _, p in m.slots:
-                tally.final.append(p)
-                decode(p)
+            decode_final(m)
         MPI.Request.Waitall(sends)
         return flagged
 
@@ -383,13 +387,9 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
             for m, req in gathered[j]:      # what we just received: forwarded as it comes
                 req.Wait()
                 sends.append(comm.Isend(m.buf, dest, tag))
-                for _, p in m.slots:
-                    tally.final.append(p)
-                    decode(p)
+                decode_final(m)
         for m, req in gathered[len(steps)] if len(steps) < len(gathered) else ():
             req.Wait()
-            for _, p in m.slots:
-                tally.final.append(p)
-                decode(p)
+            decode_final(m)
     MPI.Request.Waitall(sends)
     return flagged

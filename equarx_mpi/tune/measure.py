@@ -312,7 +312,7 @@ def _thread_speedups(args, local, say):
     else the cores over the ``local`` ranks), else where that is one this
     process's cores (rank 0 measures alone, the other ranks asleep)."""
     from equarx_mpi.bench.kernels import bench_threads
-    from equarx_mpi.wire.threaded import default_threads
+    from equarx_mpi.threads import default_threads
     T = args.threads or options.resolve({})["threads"] or default_threads(local)
     T = T if T > 1 or args.threads else default_threads(1)
     n, out = max(args.kernel_values, 1 << 20), {}     # a thread's part >= MIN_PART values

@@ -12,7 +12,6 @@ costs more than it saves.  The error-bounded mode's "mixed" wire (pieces
 of varying length) and the uncompressed wires' many-input reduction run on
 one thread.
 """
-import os
 import threading
 
 import numpy as np
@@ -59,16 +58,6 @@ class _Worker:
         return value
 
 
-def default_threads(local_ranks):
-    """Threads per rank when the option is None: this process's cores over
-    the ranks on its node, at least 1 (ranks x threads within the cores)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:          # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_ranks))
-
-
 class Threaded:
     """The format ``make()`` makes, its kernels run over ``threads`` threads.
     Everything but the kernels (views, sizes, bounds) is the first copy's."""
@@ -94,14 +83,12 @@ class Threaded:
         """[(lo, hi)] block-aligned parts of an n-value piece."""
         B = self._fmt.block
         nb = -(-n // B)
-        T = min(self.threads, nb, max(1, n // self._min))
+        T = min(self.threads, nb, n // self._min)
         return [(nb * i // T * B, min(nb * (i + 1) // T * B, n)) for i in range(T)]
 
     def _run(self, n, job):
         """job(format copy, lo, hi) on every part; their results in order."""
-        cuts = self._cuts(n)
-        if len(cuts) == 1:
-            return [job(self._fmt, 0, n)], cuts
+        cuts = self._cuts(n)         # two or more: _whole keeps the rest on one thread
         if self._workers is None:
             self._workers = [_Worker() for _ in range(self.threads - 1)]
         busy = list(zip(self._workers, self._fmts[1:], cuts[1:]))
@@ -123,8 +110,6 @@ class Threaded:
 
     def _merged(self, skips, cuts):
         """The parts' skipped block indices, as indices of the piece."""
-        if len(skips) == 1:
-            return skips[0]
         total = sum(s.size for s in skips)
         if self._skipped.size < total:
             self._skipped = np.empty(max(total, 64), np.int64)
