@@ -31,6 +31,7 @@ from numba import njit
 
 from equarx_mpi.kernels.common import (
     CACHE,
+    HELPER,
     KERNEL,
     OP_SUM,
     ROUND_NEAREST,
@@ -43,6 +44,7 @@ from equarx_mpi.kernels.common import (
     load,
     order_key,
     out_limit,
+    readonly,
     reduce2,
     store,
     wide_tiny_lift,
@@ -132,11 +134,12 @@ def _put(t, m, codes, at, nibbles):
             codes[at + _U(j)] = np.uint8(np.int32(t[j]))
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def emit(vals, off, m, heads, b, codes, lo_i, levels, tcodes, rmode):
     """Quantize vals[off:off+m] (accumulation type) into heads[2b:2b+2] and
     the codes of values lo_i..lo_i+m-1 (lo_i even for nibbles); tcodes
     holds m floats."""
+    wide_vectors()
     kmin = order_key(as_acc(heads, np.inf))
     kmax = order_key(as_acc(heads, -np.inf))
     for j in range(m):
@@ -172,7 +175,7 @@ def af_encode(src, heads, codes, block, levels, scratch, rmode):
         lo = b * block
         m = min(block, n - lo)
         vals, off = acc_block(src, lo, m, scratch)
-        emit(vals, off, m, heads, b, codes, lo, levels, scratch[block:], rmode)
+        emit(readonly(vals), np.int64(off), m, heads, b, codes, lo, levels, scratch[block:], rmode)
 
 
 @njit(inline='always', **CACHE)
@@ -183,10 +186,11 @@ def _block_head(heads, b, levels):
     return lo, hi, base, d, inv_s, cast_like(lo, 1) / cast_like(lo, levels)
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def _decode_block(heads, codes, b, lo_i, m, levels, dst, at_dst):
     """dst[at_dst:at_dst+m] = D(block b), stored in dst's type; the caller
     has checked the block is not flagged."""
+    wide_vectors()
     lo, hi, base, d, inv_s, k = _block_head(heads, b, levels)
     if levels < 16:
         at = _U(lo_i >> 1)
@@ -231,17 +235,18 @@ def af_decode(heads, codes, out, block, levels, skipped):
     return flagged
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def _reduce_block(own, heads, codes, b, lo_i, m, levels, op, scratch):
     """scratch[:m] = own[lo_i:lo_i+m] (op) D(block b); returns the largest
     magnitude bits (at least those of Inf for a flagged block, scratch
     unset, and for a MAX or MIN whose own values hold Inf or NaN).
     Decodes into scratch first, then combines: two tight loops over a
     block that stays in cache."""
+    wide_vectors()
     mx = abs_bits(as_acc(heads, 0))
     if _skip(heads, b, as_acc(heads, np.inf)):
         return abs_bits(as_acc(heads, np.inf))
-    _decode_block(heads, codes, b, lo_i, m, levels, scratch, 0)
+    _decode_block(heads, codes, b, lo_i, m, levels, scratch, np.int64(0))
     if op == OP_SUM:
         for j in range(m):
             v = load(own, _U(lo_i + j)) + scratch[j]
@@ -273,7 +278,7 @@ def af_decode_reduce(own, heads, codes, out, block, levels, op, scratch, skipped
     for b in range((n + block - 1) // block):
         lo_i = b * block
         m = min(block, n - lo_i)
-        if _reduce_block(own, heads, codes, b, lo_i, m, levels, op, scratch) >= limit_u:
+        if _reduce_block(readonly(own), heads, codes, b, lo_i, m, levels, op, scratch) >= limit_u:
             skipped[flagged] = b
             flagged += 1
             continue
@@ -294,6 +299,7 @@ def af_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, levels, op, sc
     for b in range((n + block - 1) // block):
         lo_i = b * block
         m = min(block, n - lo_i)
-        if _reduce_block(own, h_in, c_in, b, lo_i, m, levels, op, scratch) >= inf_u:
+        if _reduce_block(readonly(own), h_in, c_in, b, lo_i, m, levels, op, scratch) >= inf_u:
             scratch[0] = np.inf                   # so that emit flags the block
-        emit(scratch, 0, m, h_out, b, c_out, lo_i, levels, scratch[block:], rmode)
+        emit(readonly(scratch), np.int64(0), m, h_out, b, c_out, lo_i, levels, scratch[block:],
+             rmode)

@@ -13,6 +13,7 @@ Values are accumulated in float64 for float64 input and in float32 otherwise.
 """
 import numpy as np
 from numba import njit, types
+from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic, overload
 
 from equarx_mpi.names import (  # noqa: F401 (the kernels' codes)
@@ -31,6 +32,15 @@ CACHE = dict(cache=True, nogil=True)
 #: calls, which LLVM cannot remove and which cost as much as a small block.
 #: Such a kernel must not create arrays (views of its arguments are fine).
 KERNEL = dict(CACHE, _nrt=False)
+#: For the per-block helpers of several kernels (emit, the block reductions):
+#: compiled once per signature and inlined by LLVM (forceinline), where
+#: numba's own inline='always' copies and retypes the helper's IR into
+#: every caller: most of the warm-up's time (docs/PERFORMANCE.md "Cold
+#: start"), for the same machine code.  A helper calls wide_vectors()
+#: itself: LLVM vectorizes it before inlining it.  Pass it arrays through
+#: ``readonly`` and integer constants as np.int64 where the callers differ,
+#: or each kind of argument compiles it again.
+HELPER = dict(KERNEL, forceinline=True)
 
 
 @intrinsic
@@ -49,6 +59,17 @@ def wide_vectors(typingctx):
             set.add(attrs, '"prefer-vector-width"="512"')
         return context.get_dummy_value()
     return types.none(), codegen
+
+
+@intrinsic
+def readonly(typingctx, arr):
+    """arr typed as a read-only array (the same data, no copy)."""
+    if not isinstance(arr, types.Array):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return impl_ret_borrowed(context, builder, sig.return_type, args[0])
+    return arr.copy(readonly=True)(arr), codegen
 
 
 # --- bit casts --------------------------------------------------------------

@@ -27,6 +27,7 @@ from numba.extending import overload
 
 from equarx_mpi.kernels.common import (
     CACHE,
+    HELPER,
     KERNEL,
     OP_SUM,
     ROUND_NEAREST,
@@ -41,6 +42,7 @@ from equarx_mpi.kernels.common import (
     keep_or_skip,
     load,
     out_limit,
+    readonly,
     reduce2,
     store,
     u32_as_f32,
@@ -159,10 +161,11 @@ def _directed(x, y, a, rmode):
     return c
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
     """Quantize vals[off:off+m] (accumulation type, largest magnitude bits
     max_u) into header[b] and codes[lo:lo+m]."""
+    wide_vectors()
     zero = as_acc(header, 0)
     if max_u >= abs_bits(as_acc(header, np.inf)):
         header[b] = np.inf                       # flagged: Inf or NaN inside
@@ -198,7 +201,8 @@ def f8_encode(src, header, codes, block, scratch, rmode):
         lo = b * block
         m = min(block, n - lo)
         vals, off = acc_block(src, lo, m, scratch)
-        emit(vals, off, m, abs_max(vals, off, m, header), header, b, codes, lo, rmode)
+        emit(readonly(vals), np.int64(off), m, abs_max(vals, off, m, header), header, b, codes, lo,
+             rmode)
 
 
 @njit(**KERNEL)
@@ -224,11 +228,12 @@ def f8_decode(header, codes, out, block, skipped):
     return flagged
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def _reduce_block(own, header, codes, b, lo, m, op, scratch):
     """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
     magnitude bits (at least those of Inf for a flagged block, scratch
     unset, and for a MAX or MIN whose own values hold Inf or NaN)."""
+    wide_vectors()
     a = header[b]
     mx = abs_bits(as_acc(header, 0))
     if not abs(a) < np.inf:
@@ -266,8 +271,8 @@ def f8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        flagged = keep_or_skip(out, lo, m, scratch, _reduce_block(own, header, codes, b, lo, m, op, scratch),
-                               limit_u, b, skipped, flagged)
+        max_u = _reduce_block(readonly(own), header, codes, b, lo, m, op, scratch)
+        flagged = keep_or_skip(out, lo, m, scratch, max_u, limit_u, b, skipped, flagged)
     return flagged
 
 
@@ -281,5 +286,5 @@ def f8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, r
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, scratch)
-        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode)
+        max_u = _reduce_block(readonly(own), h_in, c_in, b, lo, m, op, scratch)
+        emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode)

@@ -20,6 +20,7 @@ from numba import njit
 
 from equarx_mpi.kernels.common import (
     CACHE,
+    HELPER,
     KERNEL,
     OP_SUM,
     ROUND_NEAREST,
@@ -33,6 +34,7 @@ from equarx_mpi.kernels.common import (
     keep_or_skip,
     load,
     out_limit,
+    readonly,
     reduce2,
     sign_code,
     store,
@@ -78,10 +80,11 @@ def _code(x, q, a, k, levels, rmode, stream, i):
     return c
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
     """Quantize vals[off:off+m] (accumulation type, largest magnitude bits
     max_u) into header[b] and the nibbles of values lo..lo+m-1 (lo even)."""
+    wide_vectors()
     zero = as_acc(header, 0)
     at = _U(lo >> 1)
     half = m >> 1
@@ -131,7 +134,8 @@ def i4_encode(src, header, codes, block, scratch, rmode, stream=np.uint64(0)):
         lo = b * block
         m = min(block, n - lo)
         vals, off = acc_block(src, lo, m, scratch)
-        emit(vals, off, m, abs_max(vals, off, m, header), header, b, codes, lo, rmode, stream)
+        emit(readonly(vals), np.int64(off), m, abs_max(vals, off, m, header), header, b, codes, lo,
+             rmode, stream)
 
 
 @njit(**KERNEL)
@@ -162,13 +166,14 @@ def i4_decode(header, codes, out, block, skipped):
     return flagged
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
     """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
     magnitude bits (at least those of Inf for a flagged block, scratch
     unset, and for a MAX or MIN whose own values hold Inf or NaN).
     Decodes into scratch first, then combines: two tight loops over a
     block that stays in cache."""
+    wide_vectors()
     a = header[b]
     mx = abs_bits(as_acc(header, 0))
     if not abs(a) < np.inf:
@@ -212,8 +217,8 @@ def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        flagged = keep_or_skip(out, lo, m, scratch, _reduce_block(own, header, codes, b, lo, m, op, k, scratch),
-                               limit_u, b, skipped, flagged)
+        max_u = _reduce_block(readonly(own), header, codes, b, lo, m, op, k, scratch)
+        flagged = keep_or_skip(out, lo, m, scratch, max_u, limit_u, b, skipped, flagged)
     return flagged
 
 
@@ -229,5 +234,5 @@ def i4_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, r
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, k, scratch)
-        emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)
+        max_u = _reduce_block(readonly(own), h_in, c_in, b, lo, m, op, k, scratch)
+        emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode, stream)

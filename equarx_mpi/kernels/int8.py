@@ -34,9 +34,10 @@ i of a piece draws its uniform number from ``stream`` + i (common.uniform),
 so the codes are a pure function of the values and the stream.
 Speed (docs/results/kernels-*.txt): inner loops index with uint64 (numba
 then skips negative-index wraparound, which would turn vector loads into
-gathers); the per-block helpers are inlined in numba's IR (inline='always'),
-and the kernels run without reference counting (common.KERNEL) and with the
-CPU's widest vectors (common.wide_vectors), so a block costs no call and no
+gathers); the per-block helpers are inlined, the large ones by LLVM
+(common.HELPER), the small ones in numba's IR (inline='always'), and the
+kernels run without reference counting (common.KERNEL) and with the CPU's
+widest vectors (common.wide_vectors), so a block costs no call and no
 atomic refcount update.  Kernels that call these helpers should do the same.
 """
 import numpy as np
@@ -45,6 +46,7 @@ from numba.extending import overload
 
 from equarx_mpi.kernels.common import (
     CACHE,
+    HELPER,
     KERNEL,
     OP_SUM,
     ROUND_NEAREST,
@@ -56,6 +58,7 @@ from equarx_mpi.kernels.common import (
     keep_or_skip,
     load,
     out_limit,
+    readonly,
     reduce2,
     sign_code,
     store,
@@ -107,11 +110,12 @@ def _block_values(src, lo, m, scratch):
     return converted
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
     """Quantize vals[off:off+m] (accumulation type; largest magnitude bits
     max_u) into header[b] and codes[lo:lo+m] (value lo + j of the piece:
     uniform number lo + j of ``stream`` when stochastic)."""
+    wide_vectors()
     zero = as_acc(header, 0)
     if max_u >= abs_bits(as_acc(header, np.inf)):
         header[b] = np.inf                       # flagged: Inf or NaN inside
@@ -148,10 +152,11 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
             codes[_U(lo + j)] = np.int8(np.rint((vals[_U(off + j)] * lift) * r))
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def emit_nearest(vals, off, m, max_u, header, b, codes, lo):
     """emit for rounding to nearest only (the same code): the fused hops
     compiled for nearest alone use it."""
+    wide_vectors()
     zero = as_acc(header, 0)
     if max_u >= abs_bits(as_acc(header, np.inf)):
         header[b] = np.inf                       # flagged: Inf or NaN inside
@@ -204,7 +209,7 @@ def _directed(vals, off, m, lift, r, a, k, levels, codes, lo, up):
             codes[_U(lo + j)] = np.int8(c)
 
 
-# The fused hops take rmode None for rounding to nearest (what a SUM runs
+# The kernels take rmode None for rounding to nearest (what a SUM runs
 # unless asked otherwise): numba then compiles them without the other
 # roundings' code, which halves their compile time (docs/PERFORMANCE.md
 # "Cold start"); the functions without the leading underscore pass it.
@@ -214,17 +219,22 @@ def _mode(rmode):
 
 
 @njit(**KERNEL)
-def i8_encode(src, header, codes, block, scratch, rmode, stream=_NO_STREAM):
-    """(header, codes) = Q(src); ``stream`` keys stochastic rounding.  One
-    kernel for every rounding: compiled for nearest alone, it ran 25%
-    slower on messages out of cache (bench kernels, 4M values)."""
+def _encode(src, header, codes, block, scratch, rmode, stream):
     wide_vectors()
     n = src.size
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
         vals, off, max_u = block_values(src, lo, m, scratch)
-        emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream)
+        if rmode is None:
+            emit_nearest(readonly(vals), np.int64(off), m, max_u, header, b, codes, lo)
+        else:
+            emit(readonly(vals), np.int64(off), m, max_u, header, b, codes, lo, rmode, stream)
+
+
+def i8_encode(src, header, codes, block, scratch, rmode, stream=_NO_STREAM):
+    """(header, codes) = Q(src); ``stream`` keys stochastic rounding."""
+    _encode(src, header, codes, block, scratch, _mode(rmode), stream)
 
 
 @njit(**KERNEL)
@@ -250,11 +260,12 @@ def i8_decode(header, codes, out, block, skipped):
     return flagged
 
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
     """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
     magnitude bits (at least those of Inf for a flagged block, scratch
     unset, and for a MAX or MIN whose own values hold Inf or NaN)."""
+    wide_vectors()
     a = header[b]
     mx = abs_bits(as_acc(header, 0))
     if not abs(a) < np.inf:
@@ -293,8 +304,8 @@ def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        flagged = keep_or_skip(out, lo, m, scratch, _reduce_block(own, header, codes, b, lo, m, op, k, scratch),
-                               limit_u, b, skipped, flagged)
+        max_u = _reduce_block(readonly(own), header, codes, b, lo, m, op, k, scratch)
+        flagged = keep_or_skip(out, lo, m, scratch, max_u, limit_u, b, skipped, flagged)
     return flagged
 
 
@@ -306,11 +317,11 @@ def _decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmo
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        max_u = _reduce_block(own, h_in, c_in, b, lo, m, op, k, scratch)
+        max_u = _reduce_block(readonly(own), h_in, c_in, b, lo, m, op, k, scratch)
         if rmode is None:
-            emit_nearest(scratch, 0, m, max_u, h_out, b, c_out, lo)
+            emit_nearest(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo)
         else:
-            emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)
+            emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode, stream)
 
 
 def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode,

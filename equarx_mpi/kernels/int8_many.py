@@ -4,7 +4,7 @@ import numpy as np
 from numba import njit
 
 from equarx_mpi.kernels.common import (
-    CACHE,
+    HELPER,
     KERNEL,
     OP_SUM,
     abs_bits,
@@ -12,6 +12,7 @@ from equarx_mpi.kernels.common import (
     keep_or_skip,
     load,
     out_limit,
+    readonly,
     reduce2,
     wide_vectors,
 )
@@ -27,13 +28,14 @@ _U = np.uint64
 # the owner's rank: inputs are reduced in rank order 0..P-1, the owner's own
 # raw values ``own`` in place ``pos`` and row t (t - 1 past pos) for the others.
 
-@njit(inline='always', **CACHE)
+@njit(**HELPER)
 def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
     """scratch[:m] = the rank-order reduction of block b of every input;
     returns its largest magnitude bits, or those of Inf (scratch then
     unusable) when an input block is flagged or own holds Inf or NaN (a MAX
     or MIN could otherwise drop an infinity: the block must stay flagged;
     a SUM keeps them)."""
+    wide_vectors()
     inf_u = abs_bits(as_acc(scratch, np.inf))
     last = heads.shape[0]
     for t in range(last):
@@ -92,11 +94,11 @@ def _decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block, o
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        max_u = _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch)
+        max_u = _reduce_many_block(readonly(own), pos, heads, codes, h, b, lo, m, op, k, scratch)
         if rmode is None:
-            emit_nearest(scratch, 0, m, max_u, h_out, b, c_out, lo)
+            emit_nearest(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo)
         else:
-            emit(scratch, 0, m, max_u, h_out, b, c_out, lo, rmode, stream)
+            emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode, stream)
 
 
 def i8_decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block, op,
@@ -121,6 +123,6 @@ def i8_decode_reduce_many(own, pos, heads, codes, h, out, block, op, scratch, sk
     for b in range((n + block - 1) // block):
         lo = b * block
         m = min(block, n - lo)
-        flagged = keep_or_skip(out, lo, m, scratch, _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch),
-                               limit_u, b, skipped, flagged)
+        max_u = _reduce_many_block(readonly(own), pos, heads, codes, h, b, lo, m, op, k, scratch)
+        flagged = keep_or_skip(out, lo, m, scratch, max_u, limit_u, b, skipped, flagged)
     return flagged

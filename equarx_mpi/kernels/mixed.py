@@ -57,6 +57,7 @@ from equarx_mpi.kernels.common import (
     from_order_key,
     order_key,
     out_limit,
+    readonly,
     store,
     wide_tiny_lift,
     wide_vectors,
@@ -186,36 +187,9 @@ def _emit16(vals, off, m, a, heads, h, codes, at):
         codes[_U(at + j)] = np.int16(np.rint((vals[_U(off + j)] * lift) * r))
 
 
-# The per-block encoders are called, not inlined (inline='always' retypes a
-# callee at every call site): each compiles once per element type, shared
-# by both kernels (docs/PERFORMANCE.md "Cold start").  Constant int
-# arguments are made int64: a literal type compiles one more signature.
-
-@njit(**KERNEL)
-def _emit4(vals, off, m, mx, heads, nh, codes):
-    """int4's emit (inlined here, its store of an odd block's last nibble
-    was lost: numba 0.6x; see affine._put)."""
-    wide_vectors()
-    int4.emit(vals, off, m, mx, heads, nh, codes, 0, ROUND_NEAREST, np.uint64(0))
-
-
-@njit(**KERNEL)
-def _emit8(vals, off, m, mx, heads, nh, codes):
-    wide_vectors()
-    int8.emit_nearest(vals, off, m, mx, heads, nh, codes, 0)
-
-
-@njit(**KERNEL)
-def _emit_affine(vals, off, m, heads, codes, levels, tcodes):   # INT4A: 15 levels, INT8A 255
-    wide_vectors()
-    affine.emit(vals, off, m, heads, 0, codes, 0, levels, tcodes, ROUND_NEAREST)
-
-
-@njit(**KERNEL)
-def _decode_affine(heads, codes, m, levels, dst):
-    wide_vectors()
-    affine._decode_block(heads, codes, 0, 0, m, levels, dst, 0)
-
+# The per-block encoders are the other formats' own helpers (common.HELPER),
+# compiled once per element type; emit_block is called, not inlined, by
+# both kernels (docs/PERFORMANCE.md "Cold start").
 
 @njit(**KERNEL)
 def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tcodes):
@@ -237,13 +211,15 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
         lo = np.float64(from_order_key(kmin, zero))
         hi = np.float64(from_order_key(kmax, zero))
         tag = choose(a, lo, hi, room, u, eta)
+    zero_i = np.int64(0)
     if tag == INT4:
-        _emit4(vals, off, m, mx, heads, nh, i8[pay:])
+        int4.emit(vals, off, m, mx, heads, nh, i8[pay:], zero_i, np.int64(ROUND_NEAREST),
+                  np.uint64(0))
     elif tag == INT8:
-        _emit8(vals, off, m, mx, heads, nh, i8[pay:])
+        int8.emit_nearest(vals, off, m, mx, heads, nh, i8[pay:], zero_i)
     elif tag == INT4A or tag == INT8A:
-        _emit_affine(vals, off, m, heads[nh:], u8[pay:], np.int64(15 if tag == INT4A else 255),
-                     tcodes)
+        affine.emit(vals, off, m, heads[nh:], zero_i, u8[pay:], zero_i,
+                    np.int64(15 if tag == INT4A else 255), tcodes, np.int64(ROUND_NEAREST))
     elif tag == INT16:
         _emit16(vals, off, m, from_abs_bits(mx, zero), heads, nh, i16, pay >> 1)
     else:
@@ -285,7 +261,8 @@ def decode_block(tag, u8, i8, i16, acc, pay, hd, m, dst):
         for j in range(m):
             dst[j] = (as_acc(acc, i16[_U(at + j)]) * k) * a
     elif tag == INT4A or tag == INT8A:
-        _decode_affine(acc[hd:], u8[pay:], m, np.int64(15 if tag == INT4A else 255), dst)
+        affine._decode_block(acc[hd:], u8[pay:], np.int64(0), np.int64(0), m,
+                             np.int64(15 if tag == INT4A else 255), dst, np.int64(0))
     else:
         at = pay // acc.itemsize
         for j in range(m):
@@ -322,8 +299,8 @@ def mx_encode(src, u8, i8, i16, acc, i64, f64, block, room, u, eta, scratch, hea
         lo = b * block
         m = min(block, n - lo)
         vals, off = acc_block(src, lo, m, scratch)
-        tag, bnd, pay, nh = emit_block(vals, np.int64(off), m, room, u, eta, u8, i8, i16, acc,
-                                       pay, heads, np.int64(nh), scratch[block:])
+        tag, bnd, pay, nh = emit_block(readonly(vals), np.int64(off), m, room, u, eta, u8, i8, i16,
+                                       acc, pay, heads, np.int64(nh), scratch[block:])
         u8[META + b] = tag
         worst = max(worst, bnd)
     return _finish(u8, acc, i64, f64, pay, heads, nh, worst)

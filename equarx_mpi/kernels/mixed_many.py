@@ -13,6 +13,7 @@ from equarx_mpi.kernels.common import (
     as_acc,
     load,
     out_limit,
+    readonly,
     store,
     wide_vectors,
 )
@@ -104,7 +105,7 @@ def mx_decode_reduce_encode_many(own, pos, u8, i8, i16, acc, i64, o8, oi8, oi16,
         if mx >= abs_bits(as_acc(scratch, np.inf)):
             o8[META + b] = FLAG
             continue
-        tag, bnd, pay, nh = emit_block(scratch, np.int64(0), m, room, u, eta, o8, oi8, oi16,
+        tag, bnd, pay, nh = emit_block(readonly(scratch), np.int64(0), m, room, u, eta, o8, oi8, oi16,
                                        oacc, pay, heads, np.int64(nh), scratch[2 * block:])
         o8[META + b] = tag
         worst = max(worst, bnd)
