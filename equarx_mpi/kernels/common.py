@@ -32,14 +32,12 @@ CACHE = dict(cache=True, nogil=True)
 #: calls, which LLVM cannot remove and which cost as much as a small block.
 #: Such a kernel must not create arrays (views of its arguments are fine).
 KERNEL = dict(CACHE, _nrt=False)
-#: For the per-block helpers of several kernels (emit, the block reductions):
-#: compiled once per signature and inlined by LLVM (forceinline), where
-#: numba's own inline='always' copies and retypes the helper's IR into
-#: every caller: most of the warm-up's time (docs/PERFORMANCE.md "Cold
-#: start"), for the same machine code.  A helper calls wide_vectors()
-#: itself: LLVM vectorizes it before inlining it.  Pass it arrays through
-#: ``readonly`` and integer constants as np.int64 where the callers differ,
-#: or each kind of argument compiles it again.
+#: For the per-block helpers (emit, the block reductions): compiled once per
+#: signature, inlined by LLVM (forceinline); numba's inline='always' retyped
+#: them in every caller, half the warm-up (docs/PERFORMANCE.md "Cold start").
+#: A helper calls wide_vectors() itself (LLVM vectorizes it before inlining);
+#: callers pass arrays through ``readonly`` and constants as np.int64, so one
+#: signature serves them all.
 HELPER = dict(KERNEL, forceinline=True)
 
 
