@@ -124,7 +124,6 @@ class QuantizedComm(Running):
         self._record = self._ledger.note
         self._exec = Executor()
         self._exact = 0       # depth of exact() blocks
-        self._plans = self._ledger.plans      # signature -> Plan (call/plans.py)
 
     @property
     def stats(self):
@@ -205,12 +204,11 @@ class QuantizedComm(Running):
         residual joins this rank's input and takes up what this call's
         quantizations lose (feedback.py)."""
         if feedback is None:
-            key = signature(sendbuf, recvbuf, op, self._exact)
-            p = self._plans.get(key)
+            p = self._ledger.plan(sendbuf, recvbuf, op, self._exact)
             if p is not None:
                 return self._run_plan(p, sendbuf, recvbuf, op)
             c = self._prepare("Allreduce", sendbuf, recvbuf, op)
-            self._keep(key, c)
+            self._keep(signature(sendbuf, recvbuf, op, self._exact), c)
         else:
             c = self._prepare("Allreduce", sendbuf, recvbuf, op, feedback=feedback)
         self._exec.run(self._execute, c)

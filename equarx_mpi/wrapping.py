@@ -285,13 +285,12 @@ class _Wrapped:
 
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         qc = self._eq_qc or self._equarx()
-        key = signature(sendbuf, recvbuf, op, qc._exact)
-        p = qc._plans.get(key)
+        p = qc._ledger.plan(sendbuf, recvbuf, op, qc._exact)
         if p is None:       # the first call of its kind (call/plans.py)
             c = self._blocking("Allreduce", sendbuf, recvbuf, op,
                                lambda s: super(_Wrapped, self).Allreduce(s, recvbuf, op))
             if c is not None:
-                qc._keep(key, c, by_mpi=True)
+                qc._keep(signature(sendbuf, recvbuf, op, qc._exact), c, by_mpi=True)
             return
         if qc._exec._pending:
             qc._exec.drain()

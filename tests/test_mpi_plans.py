@@ -212,3 +212,36 @@ def test_exact_survives_a_free_of_a_wrapped_constant():
     w.Allreduce(x, out)
     everywhere(w.last_call.wire == "int8", "lossy again after the block")
     w.free()
+
+
+@pytest.mark.parametrize("make", ["QuantizedComm", "wrap"])
+def test_the_same_arrays_again_skip_the_signature_and_stay_right(make):
+    """A call with the very arrays of the last planned one runs its plan
+    without the signature (records.Ledger.plan): new contents, every call
+    counted, an exact() block's plan not taken outside it, and neither a
+    large array nor a view held after the call."""
+    opts = dict(algorithm="ring", min_quantized_bytes=0)
+    qc = QuantizedComm(WORLD, **opts) if make == "QuantizedComm" else equarx_mpi.wrap(
+        WORLD.Dup(), **opts)
+    ledger = (qc if make == "QuantizedComm" else qc._equarx())._ledger
+    rng = np.random.default_rng(WORLD.Get_rank())
+    x, out = np.empty(64), np.empty(64)
+    with qc.exact():
+        for i in range(5):
+            x[:] = rng.standard_normal(64) * 10 ** i
+            qc.Allreduce(x, out)
+            everywhere(np.array_equal(out, _mpi(x)) and qc.last_call.method in ("mpi", "copy"),
+                       f"call {i}: {qc.last_call}")
+        everywhere(ledger._recent is not None and ledger._recent[1] is out, "held")
+    everywhere(qc.stats.calls == 5, f"{qc.stats}")
+    qc.Allreduce(x, out)                  # the same arrays, outside the block
+    want = "int8" if P > 1 else None
+    everywhere(qc.last_call.wire == want, f"lossy again outside the block: {qc.last_call}")
+    with qc.exact():
+        for y in (np.ones(1 << 14), np.ones(64 * 2)[::2].copy()[:64], np.ones(128)[:64]):
+            qc.Allreduce(MPI.IN_PLACE, y)
+            qc.Allreduce(MPI.IN_PLACE, y)
+    held = ledger._recent[1] if ledger._recent is not None else None
+    everywhere(held is out, f"a large array or a view held: {getattr(held, 'shape', None)}")
+    qc.free()
+    everywhere(ledger._recent is None, "free() drops the held arrays")
