@@ -141,21 +141,25 @@ def run_library(qc, call, xs, r, op, in_place, n, P, dt):
     return out
 
 
-def first_checks(outs, out, xs, call, block, P):
-    """(checks, done): rank 0's checks every case shares: the same bits on
-    every rank, a copy on one rank, an Allgather against its simulation;
-    done when no reduction's checks follow."""
+def first_checks(out, xs, call, block, P, r):
+    """(every rank's results, checks, done) after gathering the results on
+    rank 0 (collective): rank 0's checks every case shares, the same bits
+    on every rank, a copy on one rank, an Allgather against its simulation;
+    done when no reduction's checks follow (always on other ranks)."""
+    outs = WORLD.gather(out)
+    if r != 0:
+        return outs, [], True
     checks = [("identical on all ranks", call == "Reduce_scatter_block"
                or all(o.tobytes() == outs[0].tobytes() for o in outs))]
     if P == 1:
-        return checks + [("copy", out.tobytes() == xs[0].tobytes())], True
+        return outs, checks + [("copy", out.tobytes() == xs[0].tobytes())], True
     if call == "Allgather":
         ref = allgather(xs, block)
         bad = np.isnan(ref.astype(np.float64))
         raw = np.concatenate(xs)
-        return checks + [("simulation", out[~bad].tobytes() == ref[~bad].tobytes()),
-                         ("exact blocks", out[bad].tobytes() == raw[bad].tobytes())], True
-    return checks, False
+        return outs, checks + [("simulation", out[~bad].tobytes() == ref[~bad].tobytes()),
+                               ("exact blocks", out[bad].tobytes() == raw[bad].tobytes())], True
+    return outs, checks, False
 
 
 def checked_against(outs, xs, call, op, dt, P, ref, bound, flagged, fixed):
@@ -194,10 +198,7 @@ def check_case(qcs, rng, P, r):
         fixed = mpi("Allreduce", xs[r][flagged], op)
     elif call != "Allgather" and P > 1:
         want = mpi(call, xs[r], op, n)            # MAX and MIN: exact unless asked otherwise
-    outs = WORLD.gather(out)
-    if r != 0:
-        return desc, []
-    checks, done = first_checks(outs, out, xs, call, block, P)
+    outs, checks, done = first_checks(out, xs, call, block, P, r)
     if done:
         return desc, checks
     if flagged is None:
@@ -221,10 +222,7 @@ def check_schedule_case(qcs, rng, P, r, simulate, allgather=True):
         kind_ = "reduce_scatter" if call == "Reduce_scatter_block" else "allreduce"
         sim = simulate(xs, block, op, with_bound=True, kind=kind_)
         fixed = mpi("Allreduce", xs[r][sim[2]], op)      # collective: every rank
-    outs = WORLD.gather(out)
-    if r != 0:
-        return desc, []
-    checks, done = first_checks(outs, out, xs, call, block, P)
+    outs, checks, done = first_checks(out, xs, call, block, P, r)
     if done:
         return desc, checks
     return desc, checks + checked_against(outs, xs, call, op, dt, P, *sim, fixed)

@@ -114,8 +114,12 @@ def _block_values(src, lo, m, scratch):
 def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
     """Quantize vals[off:off+m] (accumulation type; largest magnitude bits
     max_u) into header[b] and codes[lo:lo+m] (value lo + j of the piece:
-    uniform number lo + j of ``stream`` when stochastic)."""
+    uniform number lo + j of ``stream`` when stochastic).  The kernels pass
+    rounding to nearest to emit_nearest themselves (rmode None)."""
     wide_vectors()
+    if rmode == ROUND_NEAREST:
+        emit_nearest(vals, off, m, max_u, header, b, codes, lo)
+        return
     zero = as_acc(header, 0)
     if max_u >= abs_bits(as_acc(header, np.inf)):
         header[b] = np.inf                       # flagged: Inf or NaN inside
@@ -141,21 +145,15 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
             x = vals[_U(off + j)]
             codes[_U(lo + j)] = np.int8(stochastic_code(x, (x * lift) * r, a, levels, stream,
                                                         lo + j))
-    elif rmode != ROUND_NEAREST:
+    else:
         k = as_acc(header, 1) / levels
         _directed(vals, off, m, lift, r, a, k, levels, codes, lo, rmode == ROUND_UP)
-    elif lift == 1:
-        for j in range(m):
-            codes[_U(lo + j)] = np.int8(np.rint(vals[_U(off + j)] * r))
-    else:
-        for j in range(m):
-            codes[_U(lo + j)] = np.int8(np.rint((vals[_U(off + j)] * lift) * r))
 
 
 @njit(**HELPER)
 def emit_nearest(vals, off, m, max_u, header, b, codes, lo):
-    """emit for rounding to nearest only (the same code): the fused hops
-    compiled for nearest alone use it."""
+    """emit for rounding to nearest: the kernels compiled for nearest
+    alone use it."""
     wide_vectors()
     zero = as_acc(header, 0)
     if max_u >= abs_bits(as_acc(header, np.inf)):
