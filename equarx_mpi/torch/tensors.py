@@ -1,0 +1,139 @@
+"""Tensors as the library sees them: numpy views of CPU tensors, the
+reductions torch names and MPI's for them, and the local checks that turn a
+bad argument into an error value (agree.py makes it every rank's error).
+
+A tensor is handed to MPI or to QuantizedComm as a numpy view of its own
+memory (``Tensor.numpy()`` shares it), never a copy, where it is contiguous;
+a non-contiguous tensor, a view with gaps, or one with torch's lazy
+conjugate/negative bit goes through a contiguous copy that is written back
+afterwards (``stage``), as gloo does.  bfloat16, which numpy lacks, is viewed
+through its int16 bits as ``ml_dtypes.bfloat16``, the type the library
+reduces (in float32 on its exact path).  Data that is only moved (broadcast,
+gathers, all-to-all, send) travels as bytes, so every dtype torch has moves.
+"""
+import numpy as np
+import torch
+from mpi4py import MPI
+from torch.distributed import ReduceOp
+
+from equarx_mpi.names import BFLOAT16
+
+#: torch dtypes the reductions take, and numpy's type for each
+REDUCIBLE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+             torch.bfloat16: BFLOAT16, torch.int8: np.int8, torch.uint8: np.uint8,
+             torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+_R = ReduceOp.RedOpType
+#: torch's reduction -> (name in messages, MPI's op); AVG is a SUM divided by
+#: the group's size afterwards (MPI has no AVG)
+OPS = {_R.SUM: ("SUM", MPI.SUM), _R.AVG: ("AVG", MPI.SUM), _R.PRODUCT: ("PRODUCT", MPI.PROD),
+       _R.MIN: ("MIN", MPI.MIN), _R.MAX: ("MAX", MPI.MAX), _R.BAND: ("BAND", MPI.BAND),
+       _R.BOR: ("BOR", MPI.BOR), _R.BXOR: ("BXOR", MPI.BXOR)}
+AVG = _R.AVG
+_BITWISE = (_R.BAND, _R.BOR, _R.BXOR)
+SUPPORTED_OPS = ", ".join(name for name, _ in OPS.values())
+
+
+def red_op(opts):
+    """The RedOpType of an options object, a ReduceOp or a RedOpType (the
+    forms torch passes a process group's methods)."""
+    op = getattr(opts, "reduceOp", opts)
+    return getattr(op, "op", op)
+
+
+def check(what, tensors, out=False):
+    """The error value of passing ``tensors`` to ``what``, or None: each
+    must be a dense CPU tensor; ``out``: written to, so no two of its
+    elements may share memory (an expand()ed view)."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"equarx: {what} takes torch tensors, not {type(t).__name__}")
+        if t.device.type != "cpu":
+            return TypeError(f"equarx: {what}: the equarx backend takes CPU tensors, got one on "
+                             f"{t.device} (use nccl or gloo for {t.device.type} tensors, or "
+                             f".cpu() first)")
+        if t.layout != torch.strided:
+            return TypeError(f"equarx: {what}: only dense (strided) tensors, not {t.layout}")
+        if out and torch._debug_has_internal_overlap(t) == 1:
+            return ValueError(f"equarx: {what}: an output tensor has elements sharing memory "
+                              f"(an expand()ed view?): pass one with its own memory")
+    return None
+
+
+def check_reduce(what, tensors, op, out=True):
+    """check(), and that ``op`` reduces these tensors' dtype."""
+    err = check(what, tensors, out)
+    if err is not None or op is None:
+        return err
+    if op not in OPS:
+        return ValueError(f"equarx: {what}: {op} is not supported ({SUPPORTED_OPS} are)")
+    for t in tensors:
+        if t.dtype not in REDUCIBLE:
+            return TypeError(f"equarx: {what}: cannot reduce {t.dtype} tensors (float32, float64, "
+                             f"float16, bfloat16 and the signed integers and uint8 reduce)")
+        floating = t.dtype in _FLOATS
+        if op == AVG and not floating:
+            return TypeError(f"equarx: {what}: AVG needs floating-point tensors, not {t.dtype}")
+        if op in _BITWISE and floating:
+            return TypeError(f"equarx: {what}: {OPS[op][0]} needs integer tensors, not {t.dtype}")
+    return None
+
+
+def same_kind(what, tensors, like):
+    """The error value if some tensor's dtype or element count differs
+    from ``like``'s (the input of a gather, say), else None."""
+    for t in tensors:
+        if t.dtype != like.dtype:
+            return TypeError(f"equarx: {what}: tensors of {t.dtype} and {like.dtype} mixed")
+        if t.numel() != like.numel():
+            return ValueError(f"equarx: {what}: {t.numel()} elements where {like.numel()} "
+                              f"were expected")
+    return None
+
+
+def contiguous(t):
+    """t itself if MPI can read its memory as it is, else a contiguous copy."""
+    if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+        return t
+    return t.resolve_conj().resolve_neg().contiguous()
+
+
+class stage:
+    """``with stage(t) as c:`` c is t, or a contiguous copy of t that is
+    written back into t on leaving (``read=False``: not filled first)."""
+
+    def __init__(self, t, read=True):
+        self.t = t
+        if t.is_contiguous() and not t.is_conj() and not t.is_neg():
+            self.c = t
+        elif read:
+            self.c = t.resolve_conj().resolve_neg().contiguous()
+        else:
+            self.c = torch.empty(t.shape, dtype=t.dtype)
+
+    def __enter__(self):
+        return self.c
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is None and self.c is not self.t:
+            with torch.no_grad():
+                self.t.copy_(self.c)
+
+
+def array(c):
+    """The numpy view (1-d) of contiguous tensor c, in the library's type."""
+    flat = c.detach().reshape(-1)
+    if c.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(BFLOAT16)
+    return flat.numpy()
+
+
+def raw(c):
+    """The bytes of contiguous tensor c, as a numpy uint8 view."""
+    return c.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def from_bytes(buf, like):
+    """A tensor of like's dtype and shape over the uint8 array ``buf``."""
+    return torch.from_numpy(buf).view(like.dtype).reshape(like.shape)

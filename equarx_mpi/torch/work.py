@@ -1,0 +1,211 @@
+"""Work objects and the queue behind ``async_op=True``.
+
+torch hands every collective of a process group an options object whose
+``asyncOp`` says whether the caller waits at once (``dist.all_reduce(t)``)
+or later (``async_op=True``; DDP's gradient buckets, which the C++ reducer
+starts with the default options, asyncOp true).  A call waited at once runs
+in the caller's thread and returns a finished Work; any other is queued:
+one thread per group runs the queued calls one at a time in the order they
+were made, so every rank runs them in the same order, and a call made
+later, blocking or not, starts only after every earlier one has finished
+(program order, as one stream per group gives it).  The thread spends its
+time in MPI and in numba's kernels, which leave the GIL, so backward
+computes while a bucket is on the wire.
+
+A Work's future (``get_future()``) completes in that thread when the data
+is there, with the call's output tensors, or with its exception; callbacks
+chained with ``then()`` run there too.  A callback may start another call
+of the group (PowerSGD's hook does): started from the thread itself, a
+blocking one runs at once and an asynchronous one joins the queue.
+
+Needs MPI_THREAD_MULTIPLE (mpi4py's default): the caller's thread agrees on
+the next call over the group's control communicator while the queue's
+thread may be running an earlier one.  Without it every call runs at once.
+"""
+import collections
+import threading
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+
+class Work(dist.Work):
+    """A call of an equarx group: ``wait()``, ``is_completed()``,
+    ``get_future()`` (its value: the call's output tensors), ``result()``."""
+
+    def __init__(self, result, done=True):
+        super().__init__()
+        self._result = result
+        self._fut = torch.futures.Future()
+        self._done = threading.Event()
+        self._error = None
+        if done:
+            self._finish(None)
+
+    def _finish(self, error):
+        self._error = error
+        if error is None:
+            self._fut.set_result(self._result)
+        else:
+            self._fut.set_exception(error)
+        self._done.set()
+
+    def wait(self, timeout=None):
+        seconds = None if timeout is None else timeout.total_seconds()
+        if seconds is not None and seconds <= 0:     # torch's "no timeout"
+            seconds = None
+        if not self._done.wait(seconds):
+            raise RuntimeError(f"equarx: a call did not complete within {timeout}")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def is_success(self):
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def get_future(self):
+        return self._fut
+
+    def result(self):
+        self.wait()
+        return self._result
+
+
+class P2PWork(Work):
+    """A send or receive: MPI's nonblocking call, completed by ``wait()``
+    (or, once asked for a future, by a thread of its own: a peer's matching
+    call may come after later calls of this group, which the queue would
+    hold up).  ``finish`` runs once the message is there (a receive's copy
+    into a non-contiguous tensor)."""
+
+    def __init__(self, result, request, finish=None, keep=()):
+        super().__init__(result, done=False)
+        self._req, self._then, self._keep = request, finish, keep
+        self._status = MPI.Status()
+        self._lock = threading.Lock()
+        self._waiter = None
+
+    def _complete(self):
+        with self._lock:
+            if self._done.is_set():
+                return
+            try:
+                self._req.Wait(self._status)
+                if self._then is not None:
+                    self._then()
+                error = None
+            except Exception as e:      # noqa: BLE001 - the waiter's to raise
+                error = e
+            self._keep = ()
+            self._finish(error)
+
+    def wait(self, timeout=None):
+        if timeout is None or timeout.total_seconds() <= 0:
+            if self._waiter is None:
+                self._complete()
+        else:
+            self.get_future()       # the thread completes it; wait() has a time limit
+        return super().wait(timeout)
+
+    def get_future(self):
+        if self._waiter is None and not self._done.is_set():
+            self._waiter = threading.Thread(target=self._complete, daemon=True,
+                                            name="equarx p2p")
+            self._waiter.start()
+        return self._fut
+
+    def _source_rank(self):
+        """The sender's rank in the group (a receive from any source)."""
+        self.wait()
+        return self._status.Get_source()
+
+    source_rank = _source_rank
+
+
+class Executor:
+    """Runs a group's calls in the order they are made: queued ones in its
+    thread (started on the first), the others in the caller's thread once
+    everything queued before them has finished."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._queue = collections.deque()
+        self._pending = 0
+        self._thread = None
+        self.closed = False
+        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+    def in_thread(self):
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def run(self, fn):
+        """fn() here, after every queued call (at once in the thread itself)."""
+        if not self.in_thread():
+            self.drain()
+        fn()
+
+    def submit(self, fn, result):
+        """Queue fn(); a Work with ``result`` that completes when it has run."""
+        if self.closed:
+            raise RuntimeError("equarx: this process group has been shut down")
+        work = Work(result, done=False)
+        if not self.threaded:
+            self._execute(fn, work)
+            return work
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name="equarx queue")
+                self._thread.start()
+            self._queue.append((fn, work))
+            self._pending += 1
+            self._cv.notify_all()
+        return work
+
+    def drain(self):
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+
+    def close(self):
+        """Finish what is queued, then stop the thread."""
+        if self.in_thread():
+            raise RuntimeError("equarx: a process group cannot be shut down from its own "
+                               "callbacks")
+        self.drain()
+        self.closed = True
+        if self._thread is not None:
+            with self._cv:
+                self._queue.append(None)
+                self._cv.notify_all()
+            self._thread.join()
+            self._thread = None
+
+    @staticmethod
+    def _execute(fn, work):
+        try:
+            fn()
+        except Exception as e:      # noqa: BLE001 - the Work's to raise
+            work._finish(e)
+            return
+        work._finish(None)
+
+    def _loop(self):
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                item = self._queue.popleft()
+            if item is None:
+                return
+            self._execute(*item)
+            with self._cv:
+                self._pending -= 1
+                self._cv.notify_all()
