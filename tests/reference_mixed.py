@@ -2,14 +2,18 @@
 (kernels/mixed.py, docs/FORMAT.md), written from the spec: the same bytes,
 built block by block from the other formats' references (reference.py,
 reference_formats.py) and an int16 quantizer written here.  Bounds are the
-same float64 expressions in the same order, so the same tags are chosen."""
+same float64 expressions in the same order, so the same tags are chosen.
+DELTA (kernels/delta.py) is written here from its docstring: grid indices
+in float64, differences zigzagged, packed per group of 32 in Python
+integers."""
 import numpy as np
 from reference import quantize as q_int8
 from reference_formats import Affine, Int4, from_order_key, order_key, tiny_lift
 
-ZERO, INT4, INT4A, INT8, INT8A, INT16, RAW, FLAG = range(8)
+ZERO, INT4, INT4A, INT8, INT8A, INT16, RAW, FLAG, DELTA = range(9)
 META = 24
 SAFE = 1.0 + 2.0 ** -30
+GROUP, U64 = 32, 2.0 ** -53
 _INT4, _AFF4, _AFF8 = Int4(), Affine(15), Affine(255)
 
 
@@ -32,8 +36,78 @@ def aff_bound(lo, hi, levels, u, eta):
     return (hi * 0.5 - lo * 0.5) * (1.0 / levels + 32 * u) + 2 * u * max(-lo, hi) + 3 * eta
 
 
+def delta_bound(s, a, u, eta):
+    return s * (0.5 + u + 2.0 ** -50) + a * (u + 5 * U64) + eta
+
+
+def n_heads(tag):
+    return {INT4: 1, INT8: 1, INT16: 1, INT4A: 2, INT8A: 2, DELTA: 3}.get(tag, 0)
+
+
+def pay_bytes(tag, m, asz):
+    return {INT4: pad8((m + 1) // 2), INT4A: pad8((m + 1) // 2), INT8: pad8(m),
+            INT8A: pad8(m), INT16: pad8(2 * m), RAW: pad8(m * asz)}.get(tag, 0)
+
+
+def step(a, room, u, eta, acc):
+    """DELTA's step for a block of largest magnitude a, or 0."""
+    s0 = (room / SAFE - a * (u + 5 * U64) - eta) / (0.5 + u + 2.0 ** -50) * (1 - 2.0 ** -40)
+    smin, smax, qmax = ((2.0 ** -126, 2.0 ** 127, 2.0 ** 24 - 2) if np.dtype(acc) == np.float32
+                        else (2.0 ** -1022, 2.0 ** 1023, 2.0 ** 53 - 2))
+    if not smin <= s0 <= smax:
+        return 0.0
+    bits = np.array([s0]).view(np.uint64) & np.uint64((1 << 64) - (1 << 41))
+    s = float(bits.view(np.float64)[0])         # 12 significant bits, rounded down
+    if not a * (1.0 / s) < qmax or not delta_bound(s, a, u, eta) * SAFE <= room:
+        return 0.0
+    return s
+
+
+def estimate(spread, s, m):
+    t = spread / s + 2.0
+    if not t < 2.0 ** 60:
+        return 1 << 40
+    w = (2 * int(t)).bit_length()
+    return pad8(-(-m // GROUP) + (m * w + 7) // 8)
+
+
+def delta_encode(v, s, a):
+    """DELTA's headers and payload bytes of block v (accumulation type)."""
+    q = np.rint(v.astype(np.float64) * (1.0 / s)).astype(np.int64)
+    d = np.diff(q, prepend=q[:1])
+    z = ((d << 1) ^ (d >> 63)).astype(np.uint64)
+    widths, body = [], b""
+    for lo in range(0, v.size, GROUP):
+        g = [int(t) for t in z[lo:lo + GROUP]]
+        w = max(g).bit_length()
+        widths.append(w)
+        body += sum(t << (j * w) for j, t in enumerate(g)).to_bytes((len(g) * w + 7) // 8, "little")
+    raw = bytes(widths) + body
+    return np.array([s, a, q[0]], v.dtype), raw + bytes(pad8(len(raw)) - len(raw))
+
+
+def delta_decode(msg, pay, h, m, acc):
+    """(values, payload bytes) of a DELTA block at byte pay."""
+    s, a, q = float(h[0]), acc.type(h[1]), int(h[2])
+    groups = -(-m // GROUP)
+    p, vals = pay + groups, []
+    for k in range(groups):
+        c = min(GROUP, m - k * GROUP)
+        w = int(msg[pay + k])
+        nbytes = (c * w + 7) // 8
+        big = int.from_bytes(msg[p:p + nbytes].tobytes(), "little")
+        p += nbytes
+        for j in range(c):
+            z = (big >> (j * w)) & ((1 << w) - 1)
+            q += (z >> 1) ^ -(z & 1)
+            vals.append(float(q) * s)           # in float64, as the kernel
+    return np.clip(np.array(vals).astype(acc), -a, a), pad8(p - pay)
+
+
 def magnitude(tag, h, vals):
     """The block's magnitude bound as formats_mixed reports it."""
+    if tag == DELTA:
+        return h[1]
     if tag in (INT4A, INT8A):
         return max(-h[0], h[1])
     if tag in (INT4, INT8, INT16):
@@ -49,7 +123,8 @@ def tag_bound(tag, h, u, eta):
             INT4A: lambda: aff_bound(h[0], h[1], 15.0, u, eta),
             INT8: lambda: sym_bound(h[0], 127.0, 640.0, u, eta),
             INT8A: lambda: aff_bound(h[0], h[1], 255.0, u, eta),
-            INT16: lambda: sym_bound(h[0], 32767.0, 163840.0, u, eta)}.get(tag, lambda: 0.0)()
+            INT16: lambda: sym_bound(h[0], 32767.0, 163840.0, u, eta),
+            DELTA: lambda: delta_bound(h[0], h[1], u, eta)}.get(tag, lambda: 0.0)()
 
 
 def choose(a, lo, hi, room, u, eta):
@@ -86,6 +161,14 @@ def encode_block(v, room):
         lo = float(from_order_key(keys.min(), v.dtype))
         hi = float(from_order_key(keys.max(), v.dtype))
         tag = choose(float(a), lo, hi, room, u, eta)
+        s = step(float(a), room, u, eta, v.dtype)
+        asz = v.dtype.itemsize
+        with np.errstate(over="ignore"):        # as the kernel: Inf compares as such
+            spread = float(np.abs(np.diff(v)).max()) if v.size > 1 else 0.0
+        if s > 0 and (estimate(spread, s, v.size) + 3 * asz
+                      < pay_bytes(tag, v.size, asz) + n_heads(tag) * asz):
+            h, raw = delta_encode(v, s, float(a))
+            return DELTA, h, raw
     m = v.size
     if tag == INT4:
         h, codes, _ = _INT4.quantize(v, m)
@@ -140,9 +223,11 @@ def parse(msg, n, block, acc):
     for b in range(nb):
         m = min(block, n - b * block)
         tag = int(msg[META + b])
-        nh = 1 if tag in (INT4, INT8, INT16) else 2 if tag in (INT4A, INT8A) else 0
+        nh = n_heads(tag)
         h = heads[hd:hd + nh]
-        if tag == FLAG:
+        if tag == DELTA:
+            vals, size = delta_decode(msg, pay, h, m, acc)
+        elif tag == FLAG:
             vals = None
             size = 0
         elif tag == ZERO:

@@ -48,6 +48,11 @@ def cases(dtype, rng):
     yield "mask", (rng.random(n) < 0.3).astype(float)
     yield "offset", (101325.0 if np.dtype(dtype) != np.float16 else 1000.0) + rng.standard_normal(n)
     yield "smooth", np.sin(np.arange(n) / 50.0) + 3.0
+    # DELTA's limits: grid indices near 2^24 (float32's), steps near the
+    # smallest normal, a ramp whose differences need many bits
+    yield "big-ramp", 1.6e7 + np.arange(n) * 0.37 + np.sin(np.arange(n) / 9.0)
+    yield "tiny-smooth", (np.sin(np.arange(n) / 30.0) + 2.0) * tiny * 64
+    yield "steep", np.cumsum(rng.standard_normal(n)) * 1e3 + np.arange(n) * 1e4
     yield "mixed-scale", rng.standard_normal(n) * np.repeat(10.0 ** rng.integers(-6, 6, 3), 256)[:n]
     yield "smallest-normal", rng.standard_normal(300) * tiny
     yield "subnormal", np.round(rng.uniform(-1, 1, 300) * 2 ** 5) * sub + 0.0
@@ -152,21 +157,42 @@ def test_encode_decode_against_reference(dtype, block):
                     assert np.array_equal(np.signbit(vals), np.signbit(v[sl])) or tag == R.ZERO
             assert float(msg[16:24].view(np.float64)[0]) == max(
                 [0.0] + [q[b] for b in range(q.size) if mag[b] < np.inf])
-    assert seen == set(range(8)), seen          # every tag came up
+    assert seen == set(range(9)), seen          # every tag came up
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_fewest_bits_for_the_budget(dtype):
-    """Smooth data with an offset goes affine, Gaussian data symmetric; a
-    looser budget never costs more bytes."""
+    """Smooth data with an offset goes DELTA, in fewer bytes than affine
+    would take; noise on an offset goes affine; on Gaussian data DELTA never
+    costs bytes over the fixed tags (it is taken where a uniform grid at
+    the step the budget allows is cheaper than the next fixed tag's finer
+    one); a looser budget never costs more bytes."""
     fmt = fmt_for(dtype, 256)
     rng = np.random.default_rng(3)
-    x = as_dtype(np.sin(np.arange(4096) / 300.0) * 0.01 + 0.5, dtype)
-    _, w = encode(fmt, x, 0.5 * 0.01 / 15 * 1.2)
-    tags = np.bincount(w[0][R.META:R.META + 16], minlength=8)
-    assert tags[R.INT4A] == 16, tags
+    room = 0.5 * 1.0 / 15 * 1.2                  # int4-affine fits a range of 1
+    x = as_dtype(np.sin(np.arange(4096) / 300.0) * 0.5 + 2.0, dtype)
+    buf, w = encode(fmt, x, room)
+    tags = np.bincount(w[0][R.META:R.META + 16], minlength=9)
+    assert tags[R.DELTA] == 16, tags
+    affine_bytes = 16 * (128 + 2 * fmt.head.itemsize)
+    assert fmt.message(buf).size < 0.6 * affine_bytes
+    noisy = as_dtype(2.0 + 0.5 * rng.uniform(-1, 1, 4096), dtype)
+    _, w = encode(fmt, noisy, room)
+    assert np.bincount(w[0][R.META:R.META + 16], minlength=9)[R.INT4A] == 16
     g = as_dtype(rng.standard_normal(4096), dtype)
-    sizes = [fmt.message(encode(fmt, g, a)[0]).size for a in (0.0, 1e-4, 1e-2, 1e-1, 1.0)]
+    sizes = []
+    v = to_acc(g)
+    u, eta = R.consts(v.dtype)
+    asz = v.dtype.itemsize
+    for room in (0.0, 1e-4, 1e-2, 1e-1, 1.0):
+        buf, w = encode(fmt, g, room)
+        sizes.append(fmt.message(buf).size)
+        fixed = 0
+        for b in range(16):
+            x = v[b * 256:(b + 1) * 256].astype(np.float64)
+            tag = R.choose(np.abs(x).max(), x.min(), x.max(), room, u, eta)
+            fixed += R.pay_bytes(tag, 256, asz) + R.n_heads(tag) * asz
+        assert sizes[-1] <= R.META + 16 + fixed + bound.TRAILER, room
     assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
 
 
@@ -203,8 +229,8 @@ def test_owner_many_inputs_against_reference(dtype, count):
         obuf = np.zeros(size, np.uint8)
         wo = fmt.views(obuf, n)
         K.mx_decode_reduce_encode_many(own, pos, *ws[:5], *wo[:6], block, room, fmt.u, fmt.eta,
-                                       fmt.scratch, np.empty(2 * n, fmt.head),
-                                       np.empty((count, 2), np.int64))
+                                       fmt.scratch, np.empty(3 * n, fmt.head),
+                                       np.empty((count, 2), np.int64), fmt.qs)
         assert np.array_equal(fmt.message(obuf)[:-bound.TRAILER], want), trial
         # reduce-scatter: the sums themselves, rounded once into the type
         out = np.full(n, 7, dtype)

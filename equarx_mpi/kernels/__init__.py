@@ -58,6 +58,7 @@ from equarx_mpi.kernels.common import (  # noqa: E402,F401
     ROUND_STOCHASTIC,
     ROUND_UP,
 )
+from equarx_mpi.kernels.delta import HEADS as MX_HEADS  # noqa: E402,F401
 from equarx_mpi.kernels.fp8 import f8_decode, f8_decode_reduce, f8_decode_reduce_encode, f8_encode  # noqa: E402,F401
 from equarx_mpi.kernels.int4 import i4_decode, i4_decode_reduce, i4_decode_reduce_encode, i4_encode  # noqa: E402,F401
 from equarx_mpi.kernels.int8 import (  # noqa: E402,F401

@@ -11,6 +11,7 @@ error bound fits the budget of this quantization, named by a tag:
     INT16     a                               2m bytes: rint(x * fl(32767/a))
     RAW       -                               m values of A, exact
     FLAG      -                               -        (Inf or NaN inside)
+    DELTA     s, a, q_0                       grid steps' differences (delta.py)
 
 INT4, INT8, INT4A and INT8A are the int4, int8 and affine formats' own
 encodings (their emit functions), INT16 is int8's design with 32767 levels
@@ -21,6 +22,7 @@ docs/ERROR.md; float64, u and eta of A):
     INT4   (1/2 + 40u)/7 a + eta        INT4A  (hi/2 - lo/2)(1/15 + 32u) + 2uM + 3eta
     INT8   (1/2 + 640u)/127 a + eta     INT8A  (hi/2 - lo/2)(1/255 + 32u) + 2uM + 3eta
     INT16  (1/2 + 163840u)/32767 a + eta    RAW, ZERO, and a symmetric block with a = 0: 0
+    DELTA  s (1/2 + u + 2^-50) + a (u + 5 2^-53) + eta
     (M = max(|lo|, |hi|); INT16: int8's derivation with 32767 levels)
 
 Piece layout (byte offsets; each region starts 8-byte aligned, so the
@@ -32,7 +34,7 @@ typed views of the whole buffer can read it):
     16   float64  the largest per-value bound of the piece's blocks
     24   uint8    one tag per block, padded to 8
     ..   payloads in block order, each padded to 8 bytes
-    ..   headers in block order (1 or 2 per block, none for ZERO/RAW/FLAG)
+    ..   headers in block order (1 to 3 per block, none for ZERO/RAW/FLAG)
 
 The headers follow the payloads so that one pass writes both: they are
 collected in ``heads`` and copied behind the payloads at the end.
@@ -45,7 +47,7 @@ per received message.
 import numpy as np
 from numba import njit
 
-from equarx_mpi.kernels import affine, int4, int8
+from equarx_mpi.kernels import affine, delta, int4, int8
 from equarx_mpi.kernels.common import (
     CACHE,
     KERNEL,
@@ -63,12 +65,10 @@ from equarx_mpi.kernels.common import (
     wide_vectors,
 )
 
-ZERO, INT4, INT4A, INT8, INT8A, INT16, RAW, FLAG = range(8)
+ZERO, INT4, INT4A, INT8, INT8A, INT16, RAW, FLAG, DELTA = range(9)
 L16 = 32767
 META = 24                      # bytes before the tags
-#: budgets are compared with bounds times this, so the float64 rounding of
-#: the bound arithmetic (a few units in 2^-53) can never let a block through
-SAFE = 1.0 + 2.0 ** -30
+SAFE = delta.SAFE
 _U = np.uint64
 
 
@@ -83,12 +83,22 @@ def n_heads(tag):
         return 1
     if tag == INT4A or tag == INT8A:
         return 2
+    if tag == DELTA:
+        return delta.HEADS
     return 0
 
 
 @njit(inline='always', **CACHE)
+def payload(tag, m, asz, u8, pay):
+    """Payload bytes of an m-value block at byte ``pay``, padded to 8."""
+    if tag == DELTA:
+        return delta.payload(u8, pay, m)
+    return pay_bytes(tag, m, asz)
+
+
+@njit(inline='always', **CACHE)
 def pay_bytes(tag, m, asz):
-    """Payload bytes of an m-value block, padded to 8."""
+    """Payload bytes of an m-value block of a fixed-size tag, padded to 8."""
     if tag == INT4 or tag == INT4A:
         return pad8((m + 1) >> 1)
     if tag == INT8 or tag == INT8A:
@@ -122,6 +132,8 @@ def tag_magnitude(tag, h0, h1):
         return max(-h0, h1)
     if tag == INT4 or tag == INT8 or tag == INT16:
         return h0
+    if tag == DELTA:
+        return h1
     return 0.0
 
 
@@ -138,6 +150,8 @@ def tag_bound(tag, h0, h1, u, eta):
         return aff_bound(h0, h1, 255.0, u, eta)
     if tag == INT16:
         return sym_bound(h0, 32767.0, 163840.0, u, eta)
+    if tag == DELTA:
+        return delta.bound(h0, h1, u, eta)
     return 0.0
 
 
@@ -156,6 +170,16 @@ def choose(a, lo, hi, room, u, eta):
     if tag_bound(INT16, a, 0.0, u, eta) * SAFE <= room:
         return INT16
     return RAW
+
+
+@njit(inline='always', **CACHE)
+def _spread(vals, off, m):
+    """max |x_j - x_{j-1}| over the block (accumulation type, as float64):
+    what DELTA's estimate needs."""
+    d = np.float64(0.0)
+    for j in range(1, m):
+        d = max(d, np.float64(abs(vals[_U(off + j)] - vals[_U(off + j - 1)])))
+    return d
 
 
 @njit(inline='always', **CACHE)
@@ -192,10 +216,13 @@ def _emit16(vals, off, m, a, heads, h, codes, at):
 # both kernels (docs/PERFORMANCE.md "Cold start").
 
 @njit(**KERNEL)
-def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tcodes):
+def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tcodes, qs):
     """Encode vals[off:off+m] (accumulation type) with the cheapest tag that
-    fits, its payload at byte ``pay``, its headers at heads[nh:].  Returns
-    (tag, bound of the block or -1 for FLAG, next payload byte, next head)."""
+    fits, its payload at byte ``pay``, its headers at heads[nh:]: the
+    cheapest fixed-size tag, or DELTA where its estimated bytes are fewer
+    (a block that cannot gain goes as before).  qs: 2 * block int64.
+    Returns (tag, bound of the block or -1 for FLAG, next payload byte,
+    next head)."""
     wide_vectors()
     asz = acc.itemsize
     mx, kmin, kmax = _stats(vals, off, m)
@@ -211,6 +238,12 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
         lo = np.float64(from_order_key(kmin, zero))
         hi = np.float64(from_order_key(kmax, zero))
         tag = choose(a, lo, hi, room, u, eta)
+        s = delta.step(a, room, u, eta, acc)
+        if s > 0 and (delta.estimate(_spread(vals, off, m), s, m) + delta.HEADS * asz
+                      < pay_bytes(tag, m, asz) + n_heads(tag) * asz):
+            size = delta.emit(vals, off, m, s, a, heads, nh, u8, pay, qs)
+            return (DELTA, delta.bound(np.float64(heads[nh]), a, u, eta), pay + size,
+                    nh + delta.HEADS)
     zero_i = np.int64(0)
     if tag == INT4:
         int4.emit(vals, off, m, mx, heads, nh, i8[pay:], zero_i, np.int64(ROUND_NEAREST),
@@ -222,7 +255,7 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
                     np.int64(15 if tag == INT4A else 255), tcodes, np.int64(ROUND_NEAREST))
     elif tag == INT16:
         _emit16(vals, off, m, from_abs_bits(mx, zero), heads, nh, i16, pay >> 1)
-    else:
+    else:                       # RAW
         at = pay // asz
         for j in range(m):
             acc[_U(at + j)] = vals[_U(off + j)]
@@ -263,6 +296,8 @@ def decode_block(tag, u8, i8, i16, acc, pay, hd, m, dst):
     elif tag == INT4A or tag == INT8A:
         affine._decode_block(acc[hd:], u8[pay:], np.int64(0), np.int64(0), m,
                              np.int64(15 if tag == INT4A else 255), dst, np.int64(0))
+    elif tag == DELTA:
+        delta.decode(u8, pay, acc, hd, m, dst)
     else:
         at = pay // acc.itemsize
         for j in range(m):
@@ -285,10 +320,10 @@ def _finish(u8, acc, i64, f64, pay, heads, nh, worst):
 
 
 @njit(**KERNEL)
-def mx_encode(src, u8, i8, i16, acc, i64, f64, block, room, u, eta, scratch, heads):
+def mx_encode(src, u8, i8, i16, acc, i64, f64, block, room, u, eta, scratch, heads, qs):
     """Encode src (one piece) with per-value budget ``room``; scratch holds
-    3 * block values of the accumulation type, heads 2 per block.  Returns
-    the bytes used."""
+    3 * block values of the accumulation type, heads 3 per block, qs 2 *
+    block int64.  Returns the bytes used."""
     wide_vectors()
     n = src.size
     nb = (n + block - 1) // block
@@ -300,7 +335,7 @@ def mx_encode(src, u8, i8, i16, acc, i64, f64, block, room, u, eta, scratch, hea
         m = min(block, n - lo)
         vals, off = acc_block(src, lo, m, scratch)
         tag, bnd, pay, nh = emit_block(readonly(vals), np.int64(off), m, room, u, eta, u8, i8, i16,
-                                       acc, pay, heads, np.int64(nh), scratch[block:])
+                                       acc, pay, heads, np.int64(nh), scratch[block:], qs)
         u8[META + b] = tag
         worst = max(worst, bnd)
     return _finish(u8, acc, i64, f64, pay, heads, nh, worst)
@@ -350,7 +385,7 @@ def mx_decode(u8, i8, i16, acc, i64, f64, out, block, scratch, skipped):
             decode_block(tag, u8, i8, i16, acc, pay, hd, m, scratch)
             for j in range(m):
                 store(out, _U(lo + j), scratch[j])
-        pay += pay_bytes(tag, m, acc.itemsize)
+        pay += payload(tag, m, acc.itemsize, u8, pay)
         hd += n_heads(tag)
     return flagged
 
@@ -373,5 +408,5 @@ def mx_block_errors(u8, acc, i64, n, block, u, eta, q, mag):
         h1 = np.float64(acc[hd + 1]) if n_heads(tag) > 1 else 0.0
         q[b] = tag_bound(tag, h0, h1, u, eta)
         mag[b] = block_magnitude(tag, u8, acc, pay, hd, m)
-        pay += pay_bytes(tag, m, acc.itemsize)
+        pay += payload(tag, m, acc.itemsize, u8, pay)
         hd += n_heads(tag)

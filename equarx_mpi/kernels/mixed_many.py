@@ -25,7 +25,7 @@ from equarx_mpi.kernels.mixed import (
     emit_block,
     n_heads,
     pad8,
-    pay_bytes,
+    payload,
 )
 
 _U = np.uint64
@@ -57,7 +57,7 @@ def _reduce_many_block(own, pos, u8, i8, i16, acc, cur, b, lo, m, scratch, tmp):
             flag = True
             continue
         decode_block(tag, u8[row], i8[row], i16[row], acc[row], pay, hd, m, tmp)
-        cur[row, 0] = pay + pay_bytes(tag, m, acc.itemsize)
+        cur[row, 0] = pay + payload(tag, m, acc.itemsize, u8[row], pay)
         cur[row, 1] = hd + n_heads(tag)
         if t == 0:
             for j in range(m):
@@ -83,13 +83,13 @@ def _start(u8, i64, acc, nb, cur):
 
 @njit(**KERNEL)
 def mx_decode_reduce_encode_many(own, pos, u8, i8, i16, acc, i64, o8, oi8, oi16, oacc, oi64,
-                                 of64, block, room, u, eta, scratch, heads, cur):
+                                 of64, block, room, u, eta, scratch, heads, cur, qs):
     """The two-shot owner: the rank-order sum of own and the messages,
     encoded per block with the cheapest tag whose bound b keeps b * SAFE
     <= room (tolerance.owner_room: what the senders' trailers left).  A
     block FLAG in any message or not finite ends FLAG.  Returns the bytes
-    used.  scratch holds 4 * block values, heads 2 per block, cur 2 per
-    message."""
+    used.  scratch holds 4 * block values, heads 3 per block, cur 2 per
+    message, qs 2 * block int64."""
     wide_vectors()
     n = own.size
     nb = (n + block - 1) // block
@@ -106,7 +106,7 @@ def mx_decode_reduce_encode_many(own, pos, u8, i8, i16, acc, i64, o8, oi8, oi16,
             o8[META + b] = FLAG
             continue
         tag, bnd, pay, nh = emit_block(readonly(scratch), np.int64(0), m, room, u, eta, o8, oi8, oi16,
-                                       oacc, pay, heads, np.int64(nh), scratch[2 * block:])
+                                       oacc, pay, heads, np.int64(nh), scratch[2 * block:], qs)
         o8[META + b] = tag
         worst = max(worst, bnd)
     return _finish(o8, oacc, oi64, of64, pay, heads, nh, worst)

@@ -1,7 +1,7 @@
 """The error-bounded mode's wire format, "mixed" (kernels/mixed.py,
 docs/FORMAT.md): each block in the cheapest encoding (none, int4,
-int4-affine, int8, int8-affine, int16, raw) whose bound fits the budget,
-named by a per-block tag.  Sum only, two-shot only (wire/base.py lists the
+int4-affine, int8, int8-affine, int16, raw, or differences on a grid:
+kernels/delta.py) whose bound fits the budget, named by a per-block tag.  Sum only, two-shot only (wire/base.py lists the
 methods a format offers; this one has no single-input decode_reduce).
 
 Pieces vary in length: a message is the piece's used bytes followed by its
@@ -30,20 +30,21 @@ class Mixed(Format):
         self.head = acc_dtype(kdtype)
         self.u, self.eta = bound.acc_rounding(self.head)
         self.scratch = np.empty(4 * block, self.head)
+        self.qs = np.empty(2 * block, np.int64)      # DELTA's grid indices
         self._heads = np.empty(0, self.head)
         self._cur = np.empty((0, 2), np.int64)
         #: tolerance.Budget of the call; None: every block raw
         self.budget = None
 
     def nbytes(self, n):
-        # the most a piece can take: every payload raw, two headers per
-        # block; and room for the trailer behind the used bytes, so that it
+        # the most a piece can take: every payload raw (DELTA's is never
+        # longer), three headers per block (DELTA's); and room for the trailer behind the used bytes, so that it
         # never overlaps the one at the end of the buffer (``message``)
         nb = -(-n // self.block)
         a = self.head.itemsize
         full, last = divmod(n, self.block)
         return (K.MX_META + pad8(nb) + full * pad8(self.block * a) + pad8(last * a)
-                + pad8(2 * nb * a) + T)
+                + pad8(K.MX_HEADS * nb * a) + T)
 
     def views(self, buf, n):
         # the kernels' typed views of the same bytes, and n
@@ -85,14 +86,14 @@ class Mixed(Format):
 
     def _heads_for(self, n):
         nb = -(-n // self.block)
-        if self._heads.size < 2 * nb:
-            self._heads = np.empty(2 * nb, self.head)
+        if self._heads.size < K.MX_HEADS * nb:
+            self._heads = np.empty(K.MX_HEADS * nb, self.head)
         return self._heads
 
     def encode(self, src, w, rmode, at=None):
         room = 0.0 if self.budget is None else self.budget.send
         K.mx_encode(src, *w[:6], self.block, room, self.u, self.eta, self.scratch,
-                    self._heads_for(src.size))
+                    self._heads_for(src.size), self.qs)
 
     def decode(self, w, out):
         skipped = self._skip(out.size)
@@ -123,4 +124,4 @@ class Mixed(Format):
             room = tolerance.owner_room(self.budget, ws[5])
         K.mx_decode_reduce_encode_many(own, pos, *ws[:5], *wo[:6], self.block, room, self.u,
                                        self.eta, self.scratch, self._heads_for(own.size),
-                                       self._cursors(ws[0].shape[0]))
+                                       self._cursors(ws[0].shape[0]), self.qs)

@@ -1,0 +1,206 @@
+"""The error-bounded mode's prediction tag, DELTA (kernels/mixed.py,
+docs/FORMAT.md "mixed"): a block quantized to a uniform grid of step s,
+then coded as the differences of consecutive grid indices (1-D Lorenzo
+prediction from the previous reconstructed value, restarted per block),
+in a bit width chosen per group of 32 values.
+
+    q_j = rint(fl64(x_j * fl64(1/s)))          integers, computed in float64
+    d_0 = 0,  d_j = q_j - q_{j-1}              exact (int64)
+    z_j = (d_j << 1) ^ (d_j >> 63)             zigzag: small |d| -> small z
+    x'_j = fl_A(fl64(q_j * s)), clamped to [-a, a]    the decoded value
+
+Quantizing first and predicting the integers after (ZCCL's order) keeps
+both sides vectorizable and exact: the prediction error of integers needs
+no rounding, and the decoder's prefix sum of integers gives the encoder's
+q_j bit for bit, so every rank decodes the same values.
+
+Headers (accumulation type A): s, a = max |x| of the block, q_0.  s keeps
+12 significant bits and lies in A's normal range; |q_j| <= 2^p - 2 (p = 24
+for float32, 53 for float64), so q_0 is an exact integer of A, |d_j| <
+2^(p+1) and z_j < 2^(p+2) (w <= 55 bits).  Payload: one width byte per
+group of 32 values, then each group's z_j in w bits, least significant
+first, from the group's first byte (32 w bits = 4 w bytes: every full
+group ends on a byte), padded to 8.  Never longer than the raw block.
+
+Bound (u, eta of A; u64 = 2^-53): with r = fl64(1/s) = (1/s)(1+d1) and
+t = fl64(x r) = (x/s)(1+d1)(1+d2) (+ 2^-1075 if t is subnormal), |q - x/s|
+<= 1/2 + |x/s|(2u64 + u64^2) + 2^-1075, so |x - q s| <= s/2 + |x|(2u64 +
+u64^2) + s 2^-1075.  Decoding rounds q s twice (float64, then A):
+|x' - q s| <= (u + 2u64)|q s| + eta, and |q s| <= a + s.  Clamping to
+[-a, a] (a = max |x|) only moves x' towards x, and keeps every decoded
+value within the block's largest magnitude, as the other tags do (nothing
+finite decodes to Inf, a 16-bit output's limit test on a holds).  Together
+
+    |x - x'| <= s (1/2 + u + 2^-50) + a (u + 5 u64) + eta      (``bound``)
+"""
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+from equarx_mpi.kernels.common import CACHE, HELPER, as_acc, f64_as_u64, u64_as_f64, wide_vectors
+
+#: budgets are compared with bounds times this, so the float64 rounding of
+#: the bound arithmetic (a few units in 2^-53) can never let a block through
+SAFE = 1.0 + 2.0 ** -30
+GROUP = 32                      # values per bit width
+HEADS = 3                       # s, a, q_0
+U64 = 2.0 ** -53
+#: s keeps 12 significant bits: its low 41 mantissa bits cleared
+_LOW = np.uint64((1 << 41) - 1)
+_U = np.uint64
+
+
+@njit(inline='always', **CACHE)
+def pad8(n):
+    return (n + 7) & ~7
+
+
+@njit(inline='always', **CACHE)
+def bound(s, a, u, eta):
+    """The per-value bound of a DELTA block of step s and largest magnitude
+    a (float64; the module's docstring derives it)."""
+    return s * (0.5 + u + 2.0 ** -50) + a * (u + 5 * U64) + eta
+
+
+def grid_limits(like):
+    """(smallest step, largest step, bound on |x / s|) of the accumulation
+    type of ``like`` (an array): s in A's normal range, |q| <= 2^p - 2."""
+
+
+@overload(grid_limits, jit_options=CACHE)
+def _grid_limits(like):
+    if like.dtype == types.float32:
+        return lambda like: (2.0 ** -126, 2.0 ** 127, 2.0 ** 24 - 2)
+    return lambda like: (2.0 ** -1022, 2.0 ** 1023, 2.0 ** 53 - 2)
+
+
+@njit(inline='always', **CACHE)
+def step(a, room, u, eta, like):
+    """The coarsest step s (12 significant bits) whose bound b keeps b *
+    SAFE <= room for a finite block of largest magnitude a > 0; 0 when
+    none fits A's range or the grid indices' range."""
+    s0 = (room / SAFE - a * (u + 5 * U64) - eta) / (0.5 + u + 2.0 ** -50) * (1 - 2.0 ** -40)
+    smin, smax, qmax = grid_limits(like)
+    if not (s0 >= smin and s0 <= smax):          # also NaN, Inf, negative
+        return 0.0
+    s = u64_as_f64(f64_as_u64(s0) & ~_LOW)      # rounded down to 12 bits
+    if not a * (1.0 / s) < qmax:
+        return 0.0
+    if not bound(s, a, u, eta) * SAFE <= room:
+        return 0.0
+    return s
+
+
+@njit(inline='always', **CACHE)
+def bit_length(z):
+    w = 0
+    while (z >> _U(w)) != _U(0):
+        w += 1
+    return w
+
+
+@njit(inline='always', **CACHE)
+def estimate(spread, s, m):
+    """Payload bytes of an m-value block whose consecutive values differ by
+    at most ``spread`` (float64), at step s, if every group took the width
+    of the largest difference: |d| <= spread / s + 1 (each q within about
+    1/2 of x/s).  What the choice of tag compares; the bytes written may be
+    fewer (each group its own width)."""
+    t = spread / s + 2.0
+    if not t < 2.0 ** 60:
+        return 1 << 40
+    w = bit_length(_U(2 * np.int64(t)))
+    return pad8((m + GROUP - 1) // GROUP + (m * w + 7) // 8)
+
+
+@njit(inline='always', **CACHE)
+def payload(u8, pay, m):
+    """Payload bytes (padded) of an m-value DELTA block at byte ``pay``."""
+    groups = (m + GROUP - 1) // GROUP
+    total = groups
+    for k in range(groups):
+        c = min(GROUP, m - k * GROUP)
+        total += (c * np.int64(u8[pay + k]) + 7) >> 3
+    return pad8(total)
+
+
+@njit(**HELPER)
+def emit(vals, off, m, s, a, heads, nh, u8, pay, qs):
+    """DELTA of vals[off:off+m] (accumulation type, finite, max |x| = a) at
+    step s (from ``step``): headers at heads[nh:nh+3], payload at byte
+    ``pay``; qs holds 2 * m int64.  Returns the payload bytes (padded)."""
+    wide_vectors()
+    r = 1.0 / s
+    for j in range(m):
+        qs[_U(j)] = np.int64(np.rint(np.float64(vals[_U(off + j)]) * r))
+    zs = qs[m:]
+    zs[0] = 0
+    for j in range(1, m):
+        d = qs[_U(j)] - qs[_U(j - 1)]
+        zs[_U(j)] = (d << np.int64(1)) ^ (d >> np.int64(63))
+    heads[nh] = as_acc(heads, s)
+    heads[nh + 1] = as_acc(heads, a)
+    heads[nh + 2] = as_acc(heads, qs[0])
+    groups = (m + GROUP - 1) // GROUP
+    p = pay + groups
+    for k in range(groups):
+        lo = k * GROUP
+        c = min(GROUP, m - lo)
+        both = np.int64(0)
+        for j in range(c):
+            both |= zs[_U(lo + j)]
+        w = bit_length(_U(both))
+        u8[pay + k] = w
+        if w == 0:
+            continue
+        bits = _U(0)
+        held = 0
+        for j in range(c):
+            bits |= _U(zs[_U(lo + j)]) << _U(held)
+            held += w
+            while held >= 8:
+                u8[p] = np.uint8(bits & _U(0xFF))
+                p += 1
+                bits >>= _U(8)
+                held -= 8
+        if held > 0:
+            u8[p] = np.uint8(bits & _U(0xFF))
+            p += 1
+    end = pay + pad8(p - pay)
+    for j in range(p, end):
+        u8[j] = 0
+    return end - pay
+
+
+@njit(**HELPER)
+def decode(u8, pay, acc, hd, m, dst):
+    """dst[:m] = the values of the DELTA block whose payload starts at byte
+    ``pay`` and headers at acc[hd:] (in dst's type, the accumulation type)."""
+    wide_vectors()
+    s = np.float64(acc[hd])
+    a = acc[hd + 1]
+    q = np.int64(acc[hd + 2])
+    groups = (m + GROUP - 1) // GROUP
+    p = pay + groups
+    for k in range(groups):
+        lo = k * GROUP
+        c = min(GROUP, m - lo)
+        w = np.int64(u8[pay + k])
+        if w == 0:
+            v = min(max(as_acc(dst, np.float64(q) * s), -a), a)
+            for j in range(c):
+                dst[_U(lo + j)] = v
+            continue
+        mask = (_U(1) << _U(w)) - _U(1)
+        bits = _U(0)
+        held = 0
+        for j in range(c):
+            while held < w:
+                bits |= _U(u8[p]) << _U(held)
+                p += 1
+                held += 8
+            z = bits & mask
+            bits >>= _U(w)
+            held -= w
+            q += np.int64(z >> _U(1)) ^ -np.int64(z & _U(1))
+            dst[_U(lo + j)] = min(max(as_acc(dst, np.float64(q) * s), -a), a)
