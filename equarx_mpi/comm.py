@@ -81,6 +81,8 @@ class QuantizedComm(Running):
         self.wire, self.block_size = o["wire"], o["block_size"]
         self.algorithm, self.lossy_ops, self.check = o["algorithm"], o["lossy_ops"], o["check"]
         self._tolerant = o["abs_tol"] is not None or o["rel_tol"] is not None
+        # check="all": MPI's own path is agreed too, so it keeps no plan
+        self._agree_all = o["check"] == "all"
         if os.environ.get("EQUARX_MPI_ABORT_ON_EXCEPTION", "1") != "0":
             abort_on_exception()
         self._comm = Counting(comm).Dup()
@@ -232,7 +234,8 @@ class QuantizedComm(Running):
         """Remember c's plan under signature ``key`` if it is MPI's own
         collective (or a copy) with nothing to agree or compute per call;
         ``by_mpi``: a wrapped communicator's, which MPI runs (also a copy)."""
-        if key is not None and c.direct and c.recv.dtype not in exact.UPCAST_DTYPES:
+        if (key is not None and c.direct and c.recv.dtype not in exact.UPCAST_DTYPES
+                and not self._agree_all):
             sent = uncompressed_bytes(c.what, c.nbytes, self._size)
             info = self._info(c, 0, sent, 0.0, c.bound)
             if by_mpi:
@@ -320,7 +323,7 @@ class QuantizedComm(Running):
         direct = method in ("mpi", "copy") and source in (plan.FIXED, plan.UNKNOWN) and not fb
         if err is not None:
             # the others agree exactly where this call's path is the library's own
-            if self.check and not direct:
+            if self.check and (not direct or self._agree_all):
                 agree(self._ctl, what, meta + [("feedback", int(fb)), ("method", method)], err)
             raise err
         known = recv is not OPAQUE
@@ -335,8 +338,9 @@ class QuantizedComm(Running):
         meta = meta + [("feedback", int(fb))]
         c = Call(what, send, recv, op, name, method, reason, nbytes, source, feedback)
         c.direct = direct
-        # MPI's own path agrees on nothing: a rank that kept its plan does not either
-        if self.check and (err is not None or not c.direct):
+        # MPI's own path agrees on nothing (but with check="all"): a rank that
+        # kept its plan does not either
+        if self.check and (err is not None or not c.direct or self._agree_all):
             most = agree(self._ctl, what, meta + [("method", method)], err, most)
         elif err is not None:
             raise err

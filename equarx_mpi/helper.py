@@ -24,6 +24,16 @@ def allreduce(x, comm=None, op=MPI.SUM, **opts):
     error on every rank instead of leaving them in different collectives."""
     global _keyval
     comm = MPI.COMM_WORLD if comm is None else comm
+    # local facts, alike on every rank: raised before anything is sent (the
+    # options agreement below would fail on an inter-communicator)
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"equarx_mpi.allreduce: comm must be an mpi4py MPI.Comm, not "
+                        f"{type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError("equarx_mpi.allreduce: comm is MPI.COMM_NULL")
+    if comm.Is_inter():
+        raise TypeError("equarx_mpi.allreduce needs an intra-communicator; "
+                        "got an inter-communicator")
     try:
         key, err = tuple(sorted(options.resolve(opts).items())), None
     except (TypeError, ValueError) as e:

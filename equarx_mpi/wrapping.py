@@ -185,6 +185,11 @@ class _RecordedPrequest(MPI.Prequest):
             raise ValueError(FREED)
         self._eq_qc._timed(self._eq_call, super().Start)
 
+    def Free(self):
+        # as mpi4py's own request, a freed one holds no buffer
+        super().Free()
+        self._eq_call = None
+
 
 class _Wrapped:
     """The methods a wrapped communicator overrides (see the module text)."""

@@ -3,6 +3,8 @@ margin, comm.exact() and the lossy log line, under MPI.
 
     mpirun -n 2 python -m pytest --with-mpi tests/test_mpi_plans.py
 """
+import sys
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -218,8 +220,8 @@ def test_exact_survives_a_free_of_a_wrapped_constant():
 def test_the_same_arrays_again_skip_the_signature_and_stay_right(make):
     """A call with the very arrays of the last planned one runs its plan
     without the signature (records.Ledger.plan): new contents, every call
-    counted, an exact() block's plan not taken outside it, and neither a
-    large array nor a view held after the call."""
+    counted, an exact() block's plan not taken outside it, and the arrays
+    not held (a weak reference only: tests/test_mpi_stale_plans.py)."""
     opts = dict(algorithm="ring", min_quantized_bytes=0)
     qc = QuantizedComm(WORLD, **opts) if make == "QuantizedComm" else equarx_mpi.wrap(
         WORLD.Dup(), **opts)
@@ -232,16 +234,11 @@ def test_the_same_arrays_again_skip_the_signature_and_stay_right(make):
             qc.Allreduce(x, out)
             everywhere(np.array_equal(out, _mpi(x)) and qc.last_call.method in ("mpi", "copy"),
                        f"call {i}: {qc.last_call}")
-        everywhere(ledger._recent is not None and ledger._recent[1] is out, "held")
+        everywhere(ledger._recent is not None, "the plan is the recent one")
     everywhere(qc.stats.calls == 5, f"{qc.stats}")
     qc.Allreduce(x, out)                  # the same arrays, outside the block
     want = "int8" if P > 1 else None
     everywhere(qc.last_call.wire == want, f"lossy again outside the block: {qc.last_call}")
-    with qc.exact():
-        for y in (np.ones(1 << 14), np.ones(64 * 2)[::2].copy()[:64], np.ones(128)[:64]):
-            qc.Allreduce(MPI.IN_PLACE, y)
-            qc.Allreduce(MPI.IN_PLACE, y)
-    held = ledger._recent[1] if ledger._recent is not None else None
-    everywhere(held is out, f"a large array or a view held: {getattr(held, 'shape', None)}")
+    everywhere(sys.getrefcount(out) == 2, "only a weak reference")
     qc.free()
-    everywhere(ledger._recent is None, "free() drops the held arrays")
+    everywhere(ledger._recent is None, "free() forgets the last arrays")

@@ -5,9 +5,18 @@ a command name the arguments go to ``allreduce``, so
 sweep.  A command's module is imported only when it runs: ``kernels``
 never initializes MPI.
 """
+import os
 import sys
 
-from equarx_mpi.bench.common import run_command
+# The commands but app (which studies BLAS threads beside the call) do no
+# matmul: one BLAS thread per rank, set before numpy loads its BLAS, rather
+# than the library's warning that ranks x BLAS threads oversubscribe the
+# node's cores (a warning about the benchmark's own threads, not the user's).
+if sys.argv[1:2] != ["app"]:
+    for _name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+
+from equarx_mpi.bench.common import run_command  # noqa: E402 (after the BLAS limit)
 
 PROG = "python -m equarx_mpi.bench"
 #: command -> (module, its function, one line for --help)

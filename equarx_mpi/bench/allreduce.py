@@ -108,7 +108,7 @@ def build_parser(commands=""):
     p.add_argument("--json", metavar="FILE", help="write all rows as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="times, speedup and error against size "
                    "(needs matplotlib: pip install equarx_mpi[plot])")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress line")
     p.add_argument("--overlap", action="store_true",
                    help="instead of the table: a nonblocking AllReduce against a compute "
                    "loop of about its length, alone and together (equarx_mpi/bench/overlap.py)")
@@ -192,7 +192,7 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
     # stderr (on by default) would bury the progress lines, unless asked for.
     os.environ.setdefault("EQUARX_MPI_LOG", "0")
     qcs = _make_comms(comm, methods, args.block)
-    # Flushed line by line, so progress on stderr never lands inside the table.
+    # flushed line by line: a newcomer sees each line as it is made
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     say(f"# equarx_mpi allreduce benchmark: {P} rank{'s' * (P != 1)}, {mpi_library()}")
     say(f"# dtype {dtype.name}, data {args.data}: {' '.join(DATA[args.data][0].split())}")
@@ -219,11 +219,13 @@ def run_allreduce(args, comm=MPI.COMM_WORLD):
     order = todo[-1:] + todo[:-1]
     by_count = {}
     for i, count in enumerate(order):
-        if rank == 0 and not args.quiet:
-            first = " (first: the summary)" if i == 0 and len(order) > 1 else ""
-            sys.stderr.write(f"# [{i + 1}/{len(order)}] {human(count * dtype.itemsize)}"
-                             f"{first}\n")
-            sys.stderr.flush()
+        # One progress line, before the first (largest, slowest) size: after
+        # it each size's rows show the progress.  On stdout, in order: mpirun
+        # forwards stderr apart, which put progress lines inside the legend.
+        if i == 0 and not args.quiet:
+            more = (" (first: the summary; then the table, a size at a time)"
+                    if len(order) > 1 else "")
+            say(f"# [1/{len(order)}] {human(count * dtype.itemsize)}{more}")
         by_count[count] = got = _one_size(comm, qcs, methods, count, dtype, args)
         if i == 0:
             if rank == 0:

@@ -173,6 +173,9 @@ class Executor:
                 raise
             if g is not None:
                 self._finish(g, req, info)
+            # while it waits for the next call, the thread must not keep this
+            # one's buffers alive (numpy's resize() refuses referenced arrays)
+            item = fn = arg = g = req = info = None
             with self._cv:
                 self._pending -= 1
                 self._cv.notify_all()

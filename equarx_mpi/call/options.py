@@ -42,7 +42,7 @@ DEFAULTS = dict(
     min_quantized_bytes=None,
     lossy_ops=("sum",),
     lossy_allgather=False,
-    check=True,
+    check=True,             # "all": MPI's own path agreed too (debugging, porting)
     lossy_margin=1.25,      # auto and the named algorithms' floors: lossy only this much faster
     exact_bounds=False,     # exact float SUMs through MPI: compute their bound on every call
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
@@ -86,6 +86,8 @@ def _parse_env(name, text):
         return tuple(s.strip().lower() for s in t.split(",") if s.strip())
     if name == "lossy_margin":
         return float(t)
+    if name == "check" and t.lower() == "all":
+        return "all"
     if name in ("check", "lossy_allgather", "exact_bounds"):
         if t.lower() in ("1", "true", "yes", "on"):
             return True
@@ -225,7 +227,9 @@ def check(o):
             or not 1 <= lm < math.inf:
         raise ValueError(f"lossy_margin must be a number >= 1 (1.25: lossy only where "
                          f"predicted 25% faster than exact), not {lm!r}")
-    for name in ("check", "lossy_allgather", "exact_bounds"):
+    if not isinstance(o["check"], (bool, np.bool_)) and o["check"] != "all":
+        raise ValueError(f"check must be True, False or 'all', not {o['check']!r}")
+    for name in ("lossy_allgather", "exact_bounds"):
         if not isinstance(o[name], (bool, np.bool_)):
             raise ValueError(f"{name} must be True or False, not {o[name]!r}")
     if o["rounding"] not in ROUNDINGS:

@@ -34,6 +34,21 @@ def signature(sendbuf, recvbuf, op, exact):
             sendbuf.dtype, sendbuf.size, sendbuf.flags.num)
 
 
+def still(key, sendbuf, recvbuf):
+    """Whether arrays that own their memory (no views: two such never
+    overlap) have the signature ``key`` but for its op and exact() depth:
+    the fields of signature(), read afresh on every call, since numpy
+    changes an array's dtype, size and flags in place."""
+    if (type(recvbuf) is not _ndarray or recvbuf.base is not None or recvbuf.dtype is not key[2]
+            or recvbuf.size != key[3] or recvbuf.flags.num != key[4]):
+        return False
+    if len(key) == 5:       # in place
+        return sendbuf is _IN_PLACE or sendbuf is recvbuf or sendbuf is None
+    return (type(sendbuf) is _ndarray and sendbuf is not recvbuf and sendbuf.base is None
+            and sendbuf.dtype is key[5] and sendbuf.size == key[6]
+            and sendbuf.flags.num == key[7])
+
+
 class Plan:
     """What a repeated call runs and records: ``in_place``, ``copy`` (one
     rank: no message), the CallInfo of every such call but for its time

@@ -6,7 +6,7 @@ import threading
 from typing import NamedTuple, Optional
 
 from equarx_mpi.call.buffers import OPAQUE
-from equarx_mpi.call.plans import signature
+from equarx_mpi.call.plans import signature, still
 from equarx_mpi.names import EXACT
 
 
@@ -58,8 +58,6 @@ class Ledger:
 
     #: plans kept per communicator; past it they are folded into the totals
     MOST_PLANS = 1024
-    #: the last planned call's arrays up to this size are held (see plan)
-    RECENT_BYTES = 1 << 16
 
     def __init__(self, P, log):
         self.P, self.log = P, log
@@ -68,21 +66,26 @@ class Ledger:
         self._totals = [0, 0, 0, 0, 0.0]      # Stats' fields, summed
         self._lock = threading.Lock()
         self.plans = {}
-        self._recent = None        # (sendbuf, recvbuf, op, exact, its Plan)
+        # the last planned call's (signature, Plan): no reference to the
+        # caller's arrays, which would keep them alive and refuse numpy's
+        # resize() (a weak reference refuses it too)
+        self._recent = None
 
     def plan(self, sendbuf, recvbuf, op, exact):
-        """The Plan of a repeated Allreduce, or None.  The very arrays, op
-        and exact() depth of the last planned call skip the signature, most
-        of a small call's cost: a plan names MPI's own collective (or a
-        copy), which reads the arrays afresh.  Held for that: small arrays
-        that are no views (nothing large kept alive)."""
+        """The Plan of a repeated Allreduce, or None.  Arrays that own their
+        memory with the dtype, size and flags of the last planned call's, its
+        op and exact() depth, skip building the signature and its lookup,
+        most of a small call's cost.  The data address is not part of the
+        decision: a plan names MPI's own collective (or a copy), which reads
+        the arrays afresh."""
         r = self._recent
-        if r is not None and r[0] is sendbuf and r[1] is recvbuf and r[2] is op and r[3] == exact:
-            return r[4]
-        p = self.plans.get(signature(sendbuf, recvbuf, op, exact))
-        if (p is not None and recvbuf.nbytes <= self.RECENT_BYTES and recvbuf.base is None
-                and getattr(sendbuf, "base", None) is None):
-            self._recent = (sendbuf, recvbuf, op, exact, p)
+        if r is not None and r[1].op is op and r[0][1] == exact and still(r[0], sendbuf,
+                                                                           recvbuf):
+            return r[1]
+        key = signature(sendbuf, recvbuf, op, exact)
+        p = self.plans.get(key)
+        if p is not None:
+            self._recent = (key, p)
         return p
 
     def keep(self, key, plan):
