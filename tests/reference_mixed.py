@@ -81,7 +81,8 @@ def delta_encode(v, s, a):
         g = [int(t) for t in z[lo:lo + GROUP]]
         w = max(g).bit_length()
         widths.append(w)
-        body += sum(t << (j * w) for j, t in enumerate(g)).to_bytes((len(g) * w + 7) // 8, "little")
+        words = -(-len(g) * w // 32)              # little-endian 32-bit words
+        body += sum(t << (j * w) for j, t in enumerate(g)).to_bytes(4 * words, "little")
     raw = bytes(widths) + body
     return np.array([s, a, q[0]], v.dtype), raw + bytes(pad8(len(raw)) - len(raw))
 
@@ -94,7 +95,7 @@ def delta_decode(msg, pay, h, m, acc):
     for k in range(groups):
         c = min(GROUP, m - k * GROUP)
         w = int(msg[pay + k])
-        nbytes = (c * w + 7) // 8
+        nbytes = 4 * -(-c * w // 32)
         big = int.from_bytes(msg[p:p + nbytes].tobytes(), "little")
         p += nbytes
         for j in range(c):

@@ -67,7 +67,8 @@ def budgets(x):
     with np.errstate(invalid="ignore", over="ignore"):
         a = float(np.nanmax(np.abs(np.where(np.isfinite(x), x, 0)))) if x.size else 0.0
     yield 0.0
-    for f in (1e-7, 1e-5, 1e-3, 3e-3, 1e-2, 0.05, 1.0):
+    # 1e-12: float64's DELTA in differences wider than 32 bits
+    for f in (1e-12, 1e-7, 1e-5, 1e-3, 3e-3, 1e-2, 0.05, 1.0):
         yield a * f
     yield np.inf
 

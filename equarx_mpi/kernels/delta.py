@@ -19,8 +19,9 @@ Headers (accumulation type A): s, a = max |x| of the block, q_0.  s keeps
 for float32, 53 for float64), so q_0 is an exact integer of A, |d_j| <
 2^(p+1) and z_j < 2^(p+2) (w <= 55 bits).  Payload: one width byte per
 group of 32 values, then each group's z_j in w bits, least significant
-first, from the group's first byte (32 w bits = 4 w bytes: every full
-group ends on a byte), padded to 8.  Never longer than the raw block.
+first, in little-endian 32-bit words (a full group takes w words, a short
+one of c values ceil(c w / 32)), padded to 8.  Never longer than the raw
+block but for blocks of 1 to 3 values, whose 8-byte padding covers it.
 
 Bound (u, eta of A; u64 = 2^-53): with r = fl64(1/s) = (1/s)(1+d1) and
 t = fl64(x r) = (x/s)(1+d1)(1+d2) (+ 2^-1075 if t is subnormal), |q - x/s|
@@ -110,7 +111,7 @@ def estimate(spread, s, m):
     if not t < 2.0 ** 60:
         return 1 << 40
     w = bit_length(_U(2 * np.int64(t)))
-    return pad8((m + GROUP - 1) // GROUP + (m * w + 7) // 8)
+    return pad8((m + GROUP - 1) // GROUP + (m * w + 7) // 8)     # about: groups take words
 
 
 @njit(inline='always', **CACHE)
@@ -120,8 +121,22 @@ def payload(u8, pay, m):
     total = groups
     for k in range(groups):
         c = min(GROUP, m - k * GROUP)
-        total += (c * np.int64(u8[pay + k]) + 7) >> 3
+        total += ((c * np.int64(u8[pay + k]) + 31) >> 5) << 2
     return pad8(total)
+
+
+@njit(inline='always', **CACHE)
+def _put32(u8, p, v):
+    u8[p] = np.uint8(v & _U(0xFF))
+    u8[p + 1] = np.uint8((v >> _U(8)) & _U(0xFF))
+    u8[p + 2] = np.uint8((v >> _U(16)) & _U(0xFF))
+    u8[p + 3] = np.uint8((v >> _U(24)) & _U(0xFF))
+
+
+@njit(inline='always', **CACHE)
+def _get32(u8, p):
+    return (_U(u8[p]) | (_U(u8[p + 1]) << _U(8)) | (_U(u8[p + 2]) << _U(16))
+            | (_U(u8[p + 3]) << _U(24)))
 
 
 @njit(**HELPER)
@@ -153,19 +168,30 @@ def emit(vals, off, m, s, a, heads, nh, u8, pay, qs):
         u8[pay + k] = w
         if w == 0:
             continue
+        # 32-bit words, least significant bits first: with w <= 32 the
+        # held bits (< 32 + w) fit the 64-bit register; wider (float64's
+        # far-apart values) goes through it in halves
         bits = _U(0)
         held = 0
         for j in range(c):
-            bits |= _U(zs[_U(lo + j)]) << _U(held)
-            held += w
-            while held >= 8:
-                u8[p] = np.uint8(bits & _U(0xFF))
-                p += 1
-                bits >>= _U(8)
-                held -= 8
+            z = _U(zs[_U(lo + j)])
+            if w > 32:
+                bits |= (z & _U(0xFFFFFFFF)) << _U(held)
+                _put32(u8, p, bits)
+                p += 4
+                bits = (bits >> _U(32)) | ((z >> _U(32)) << _U(held))
+                held += w - 32
+            else:
+                bits |= z << _U(held)
+                held += w
+            if held >= 32:
+                _put32(u8, p, bits)
+                p += 4
+                bits >>= _U(32)
+                held -= 32
         if held > 0:
-            u8[p] = np.uint8(bits & _U(0xFF))
-            p += 1
+            _put32(u8, p, bits)
+            p += 4
     end = pay + pad8(p - pay)
     for j in range(p, end):
         u8[j] = 0
@@ -195,12 +221,28 @@ def decode(u8, pay, acc, hd, m, dst):
         bits = _U(0)
         held = 0
         for j in range(c):
-            while held < w:
-                bits |= _U(u8[p]) << _U(held)
-                p += 1
-                held += 8
-            z = bits & mask
-            bits >>= _U(w)
-            held -= w
+            if w > 32:                  # two words at least: low 32 bits first
+                while held < 32:
+                    bits |= _get32(u8, p) << _U(held)
+                    p += 4
+                    held += 32
+                z = bits & _U(0xFFFFFFFF)
+                bits >>= _U(32)
+                held -= 32
+                while held < w - 32:
+                    bits |= _get32(u8, p) << _U(held)
+                    p += 4
+                    held += 32
+                z |= (bits & ((_U(1) << _U(w - 32)) - _U(1))) << _U(32)
+                bits >>= _U(w - 32)
+                held -= w - 32
+            else:
+                if held < w:
+                    bits |= _get32(u8, p) << _U(held)
+                    p += 4
+                    held += 32
+                z = bits & mask
+                bits >>= _U(w)
+                held -= w
             q += np.int64(z >> _U(1)) ^ -np.int64(z & _U(1))
             dst[_U(lo + j)] = min(max(as_acc(dst, np.float64(q) * s), -a), a)
