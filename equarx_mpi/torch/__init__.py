@@ -62,7 +62,7 @@ def _group(group):
         raise RuntimeError("equarx: no default process group: call "
                            "dist.init_process_group('equarx') first")
     if not isinstance(pg, ProcessGroupEquarx):
-        raise TypeError(f"equarx: {pg!r} is not an 'equarx' process group (its backend: "
+        raise TypeError(f"equarx: this group is not an 'equarx' process group (its backend: "
                         f"{dist.get_backend(pg)})")
     return pg
 

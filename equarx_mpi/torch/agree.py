@@ -13,27 +13,36 @@ from mpi4py import MPI
 _INT64 = MPI.INT64_T
 
 
+#: values compared per call: the first SLOTS - 1 fields, and a hash of the
+#: rest, so that every call sends the same message length (a rank in another
+#: collective must not be read as a truncation error by MPI)
+SLOTS = 8
+
+
 def agree(comm, what, fields, err):
     """Raise on every rank of ``comm`` if some rank has a local error
-    ``err`` (an exception, or None) or some (name, int) pair of ``fields``
-    differs between ranks; else return None.  Every rank must pass the
-    same names in the same order."""
+    ``err`` (an exception, or None) or some (name, value) pair of
+    ``fields`` differs between ranks, the collective's name ``what``
+    included; else return None."""
     if comm.Get_size() == 1:
         if err is not None:
             raise err
         return
-    values = [_code(v) for _, v in fields]
+    fields = [("collective", what)] + list(fields)
+    codes = [_code(v) for _, v in fields]
+    values = codes[:SLOTS - 1] + [0] * (SLOTS - 1 - len(codes))
+    values.append(_code(tuple(codes[SLOTS - 1:])))
     a = array.array("q", values)
     a.extend(-v for v in values)
     a.append(err is not None)
     comm.Allreduce(MPI.IN_PLACE, [a, _INT64], MPI.MAX)
-    k = len(values)
     # MAX(v) == v and MAX(-v) == -v on every rank exactly when all are equal
-    if not a[-1] and a[:k].tolist() == values and [-x for x in a[k:2 * k]] == values:
+    if not a[-1] and a[:SLOTS].tolist() == values and \
+            [-x for x in a[SLOTS:2 * SLOTS]] == values:
         return
     everyone = comm.allgather((None if err is None else (type(err).__name__, str(err)),
-                               [v if type(v) is int else str(v) for _, v in fields]))
-    raise agreed(what, [n for n, _ in fields], everyone)
+                               [(n, v if type(v) is int else str(v)) for n, v in fields]))
+    raise agreed(what, everyone)
 
 
 def _code(value):
@@ -41,9 +50,9 @@ def _code(value):
     return value if type(value) is int else zlib.crc32(str(value).encode())
 
 
-def agreed(what, names, everyone):
+def agreed(what, everyone):
     """The one exception every rank raises, from every rank's (error,
-    values): the lowest rank's error, naming the ranks that had it; else
+    fields): the lowest rank's error, naming the ranks that had it; else
     the first field that differs, with each rank's value."""
     failed = [(r, e) for r, (e, _) in enumerate(everyone) if e is not None]
     if failed:
@@ -52,9 +61,13 @@ def agreed(what, names, everyone):
         cls = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
         where = "every rank" if len(ranks) == len(everyone) else f"rank(s) {ranks}"
         return cls(f"{text} (on {where})")
-    for i, name in enumerate(names):
-        seen = [v[i] for _, v in everyone]
+    for i in range(max(len(f) for _, f in everyone)):
+        seen = [f[i] if i < len(f) else None for _, f in everyone]
         if len(set(seen)) > 1:
+            name = next(s[0] for s in seen if s is not None)
+            if len({s[0] if s else None for s in seen}) > 1 or name == "collective":
+                return ValueError(f"equarx: the ranks made different calls: "
+                                  f"{dict(enumerate(f[0][1] for _, f in everyone))}")
             return ValueError(f"equarx: {what}: the ranks passed different {name}: "
-                              f"{dict(enumerate(seen))}")
-    return RuntimeError(f"equarx: {what}: the ranks disagree")    # not reached
+                              f"{dict(enumerate(s[1] for s in seen))}")
+    return RuntimeError(f"equarx: {what}: the ranks disagree")    # a hash collision only

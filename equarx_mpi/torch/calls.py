@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from equarx_mpi.torch.tensors import AVG, OPS, array, contiguous, from_bytes, raw, stage
+from equarx_mpi.torch.tensors import AVG, array, contiguous, from_bytes, mpi_op, raw, stage
 
 _IN_PLACE = MPI.IN_PLACE
 
@@ -29,7 +29,7 @@ def _average(c, size):
 def allreduce(qc, size, tensors, op, exact):
     for t in tensors:
         with stage(t) as c, _exactly(qc, exact):
-            qc.Allreduce(_IN_PLACE, array(c), OPS[op][1])
+            qc.Allreduce(_IN_PLACE, array(c), mpi_op(op, t.dtype))
         if op == AVG:
             _average(t, size)
 
@@ -41,7 +41,7 @@ def reduce_scatter(qc, size, out, inp, op, exact):
         inp = torch.cat([x.detach().reshape(-1) for x in inp])
     src = contiguous(inp)
     with stage(out, read=False) as c, _exactly(qc, exact):
-        qc.Reduce_scatter_block(array(src), array(c), OPS[op][1])
+        qc.Reduce_scatter_block(array(src), array(c), mpi_op(op, out.dtype))
     if op == AVG:
         _average(out, size)
 
@@ -56,11 +56,11 @@ def reduce(comm, tensors, op, root):
             a = array(c)
             wide = a.astype(np.float32) if c.dtype == torch.bfloat16 else a
             if mine:
-                comm.Reduce(_IN_PLACE, wide, OPS[op][1], root)
+                comm.Reduce(_IN_PLACE, wide, mpi_op(op, t.dtype), root)
                 if wide is not a:
                     a[...] = wide
             else:
-                comm.Reduce(wide, None, OPS[op][1], root)
+                comm.Reduce(wide, None, mpi_op(op, t.dtype), root)
         if mine and op == AVG:
             _average(t, comm.Get_size())
 

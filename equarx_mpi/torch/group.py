@@ -136,7 +136,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._agree("reduce_scatter_tensor", [("op", str(op))] + _fields([output, input]), err)
         qc, exact = self._qc, self._exact_now()
         return self._go(opts, lambda: calls.reduce_scatter(qc, self._size, output, input, op,
-                                                           exact), output)
+                                                           exact), [output])
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         outputs, op = _listed(outputs), red_op(opts) if opts is not None else dist.ReduceOp.SUM
@@ -202,7 +202,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
                             f"times the input's {input.numel()} {input.dtype} elements, not "
                             f"{output.numel()} {output.dtype}"))
         self._agree("all_gather_into_tensor", _fields([input]), err)
-        return self._go(opts, lambda: calls.allgather_base(self._data, output, input), output)
+        return self._go(opts, lambda: calls.allgather_base(self._data, output, input), [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
@@ -264,7 +264,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
                input[0].numel() if input.dim() and input.shape[0] else 0)
         return self._pairwise(
             "all_to_all_single", [n * row[1] for n in send], [n * row[0] for n in recv], err,
-            opts, lambda: calls.alltoall_base(self._data, output, input, *rows), output)
+            opts, lambda: calls.alltoall_base(self._data, output, input, *rows), [output])
 
     def _splits(self, t, sizes, name):
         """(rows per rank, error value) of a split of t along dim 0."""
@@ -283,16 +283,14 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         return sizes, None
 
     def _pairwise(self, what, send, recv, err, opts, fn, result):
-        """Agree that what rank r sends rank j is what j expects from r:
-        an all-to-all of the counts on the control communicator, then the
-        usual agreement on the error values."""
-        if self._qc is None:
-            raise RuntimeError("equarx: this process group has been shut down")
+        """Agree on the call, then that what rank r sends rank j is what j
+        expects from r (an all-to-all of the counts), then run it."""
+        self._agree(what, [], err)
         theirs = self._ctl.alltoall(send)
-        if err is None and theirs != recv:
-            bad = [j for j in range(self._size) if theirs[j] != recv[j]]
-            err = ValueError(f"equarx: {what}: rank {self.rank()} expects {[recv[j] for j in bad]} "
-                             f"elements from rank(s) {bad}, which send {[theirs[j] for j in bad]}")
+        bad = [j for j in range(self._size) if theirs[j] != recv[j]]
+        err = None if not bad else ValueError(
+            f"equarx: {what}: rank {self.rank()} expects {[recv[j] for j in bad]} elements "
+            f"from rank(s) {bad}, which send {[theirs[j] for j in bad]}")
         self._agree(what, [], err)
         return self._go(opts, fn, result)
 

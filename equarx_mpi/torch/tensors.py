@@ -21,7 +21,8 @@ from equarx_mpi.names import BFLOAT16
 #: torch dtypes the reductions take, and numpy's type for each
 REDUCIBLE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
              torch.bfloat16: BFLOAT16, torch.int8: np.int8, torch.uint8: np.uint8,
-             torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+             torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+             torch.bool: np.bool_}
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 _R = ReduceOp.RedOpType
@@ -32,7 +33,16 @@ OPS = {_R.SUM: ("SUM", MPI.SUM), _R.AVG: ("AVG", MPI.SUM), _R.PRODUCT: ("PRODUCT
        _R.BOR: ("BOR", MPI.BOR), _R.BXOR: ("BXOR", MPI.BXOR)}
 AVG = _R.AVG
 _BITWISE = (_R.BAND, _R.BOR, _R.BXOR)
+#: bool's reductions, as gloo does them: a sum or maximum is an OR, a
+#: product or minimum an AND (MPI defines only logical ops on bool)
+_LOGICAL = {_R.SUM: MPI.LOR, _R.MAX: MPI.LOR, _R.BOR: MPI.LOR, _R.MIN: MPI.LAND,
+            _R.PRODUCT: MPI.LAND, _R.BAND: MPI.LAND, _R.BXOR: MPI.LXOR}
 SUPPORTED_OPS = ", ".join(name for name, _ in OPS.values())
+
+
+def mpi_op(op, dtype):
+    """MPI's op for torch's reduction ``op`` of ``dtype`` tensors."""
+    return _LOGICAL[op] if dtype == torch.bool else OPS[op][1]
 
 
 def red_op(opts):
@@ -51,8 +61,7 @@ def check(what, tensors, out=False):
             return TypeError(f"equarx: {what} takes torch tensors, not {type(t).__name__}")
         if t.device.type != "cpu":
             return TypeError(f"equarx: {what}: the equarx backend takes CPU tensors, got one on "
-                             f"{t.device} (use nccl or gloo for {t.device.type} tensors, or "
-                             f".cpu() first)")
+                             f"{t.device} (move it with .cpu() first)")
         if t.layout != torch.strided:
             return TypeError(f"equarx: {what}: only dense (strided) tensors, not {t.layout}")
         if out and torch._debug_has_internal_overlap(t) == 1:
@@ -71,7 +80,7 @@ def check_reduce(what, tensors, op, out=True):
     for t in tensors:
         if t.dtype not in REDUCIBLE:
             return TypeError(f"equarx: {what}: cannot reduce {t.dtype} tensors (float32, float64, "
-                             f"float16, bfloat16 and the signed integers and uint8 reduce)")
+                             f"float16, bfloat16, the signed integers, uint8 and bool reduce)")
         floating = t.dtype in _FLOATS
         if op == AVG and not floating:
             return TypeError(f"equarx: {what}: AVG needs floating-point tensors, not {t.dtype}")
