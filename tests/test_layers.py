@@ -10,6 +10,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "equarx_mpi"
 LAYERS = [("names",), ("kernels",), ("bounds",), ("wire",), ("collectives",), ("model",),
           ("call",), ("comm", "running", "feedback", "helper", "wrapping", "warmup", "threads",
                       "__init__"),
+          ("torch",),
           ("bench", "tune", "cluster")]
 MAX_LINES = 420
 

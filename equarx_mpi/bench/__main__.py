@@ -33,6 +33,9 @@ COMMANDS = {
     "calls": ("equarx_mpi.bench.calls", "main",
               "per-call cost of small Allreduces through wrap() and QuantizedComm\n"
               "against mpi4py's own, under mpirun (issue 20's targets, PASS/MISS)"),
+    "torch": ("equarx_mpi.bench.torchdist", "main",
+              "torch.distributed's all_reduce through the \"equarx\" backend against\n"
+              "gloo and gloo on a bf16 copy, under mpirun (needs torch)"),
     "app": ("equarx_mpi.bench.app", "main",
             "the AllReduce right after a BLAS matmul, as an application calls it,\n"
             "against the same call on idle cores, under mpirun"),
