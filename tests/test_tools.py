@@ -199,13 +199,13 @@ def _help(capsys, main, argv):
 
 def test_bench_commands_have_their_own_help(capsys):
     from equarx_mpi.bench.__main__ import COMMANDS, main
-    assert list(COMMANDS) == ["allreduce", "shm", "tolerance", "calls", "app", "kernels",
-                             "coldstart"]
+    assert list(COMMANDS) == ["allreduce", "shm", "tolerance", "calls", "torch", "app",
+                             "kernels", "coldstart"]
     top = _help(capsys, main, ["--help"])
     assert top.startswith("usage: mpirun -n P python -m equarx_mpi.bench [allreduce]")
     assert all(f"\n  {name} " in top for name in COMMANDS)
     assert _help(capsys, main, ["allreduce", "--help"]) == top
-    for name in ("shm", "tolerance", "kernels"):
+    for name in ("shm", "tolerance", "kernels", "torch"):
         text = _help(capsys, main, [name, "--help"])
         assert text.startswith(f"usage: python -m equarx_mpi.bench {name} "), text[:80]
         assert f"python -m equarx_mpi.bench {name}" in text.split("\n\n", 1)[1], name
