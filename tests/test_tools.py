@@ -205,7 +205,10 @@ def test_bench_commands_have_their_own_help(capsys):
     assert top.startswith("usage: mpirun -n P python -m equarx_mpi.bench [allreduce]")
     assert all(f"\n  {name} " in top for name in COMMANDS)
     assert _help(capsys, main, ["allreduce", "--help"]) == top
-    for name in ("shm", "tolerance", "kernels", "torch"):
+    torch_help = _help(capsys, main, ["torch", "--help"])      # under mpirun, as calls
+    assert torch_help.startswith("usage: mpirun -n P python -m equarx_mpi.bench torch ")
+    assert "gloo-bf16" in torch_help and "equarx-exact" in torch_help
+    for name in ("shm", "tolerance", "kernels"):
         text = _help(capsys, main, [name, "--help"])
         assert text.startswith(f"usage: python -m equarx_mpi.bench {name} "), text[:80]
         assert f"python -m equarx_mpi.bench {name}" in text.split("\n\n", 1)[1], name
