@@ -231,7 +231,7 @@ def test_owner_many_inputs_against_reference(dtype, count):
         wo = fmt.views(obuf, n)
         K.mx_decode_reduce_encode_many(own, pos, *ws[:5], *wo[:6], block, room, fmt.u, fmt.eta,
                                        fmt.scratch, np.empty(3 * n, fmt.head),
-                                       np.empty((count, 2), np.int64), fmt.qs)
+                                       np.empty((count, 2), np.int64), fmt.qs, fmt.predict)
         assert np.array_equal(fmt.message(obuf)[:-bound.TRAILER], want), trial
         # reduce-scatter: the sums themselves, rounded once into the type
         out = np.full(n, 7, dtype)

@@ -4,7 +4,7 @@ reduce.
 
     mpirun -n P python -m equarx_mpi.bench tolerance [--values N] [--repeats R]
         [--kinds gaussian,field,field3d,pressure] [--dtype float32|float64]
-        [--abs-tol T,T,...] [--same] [--write PREFIX]
+        [--abs-tol T,T,...] [--ablate] [--same] [--write PREFIX]
 
 For each data kind of --kinds (see below; every rank its own data, or with
 --same every rank rank 0's, as ZCCL's benchmark gives):
@@ -16,7 +16,8 @@ For each data kind of --kinds (see below; every rank its own data, or with
 2. the error-bounded mode runs with abs_tol = each --abs-tol given, or by
    default with abs_tol = int8's achieved error ("same error": it
    guarantees what int8 happened to reach) and int8's certified bound
-   ("same bound").
+   ("same bound"); with --ablate each tolerance also without prediction
+   (no DELTA blocks: the mode as it was before it).
 
 Rows: bytes this rank sent (largest over ranks); B/value, those bytes per
 value this rank sends (two-shot sends 2(P-1)/P of its values: the scatter
@@ -36,6 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from equarx_mpi.comm import QuantizedComm
+from equarx_mpi.wire import mixed
 
 PROG = "python -m equarx_mpi.bench tolerance"
 #: --kinds: name -> what it is
@@ -96,7 +98,8 @@ def _error(out, exact):
     return float(np.max(np.abs(out.astype(np.float64) - exact)))
 
 
-def run(comm, kind, n, repeats, block, dtype=np.float32, tols=None, same=False, write=None):
+def run(comm, kind, n, repeats, block, dtype=np.float32, tols=None, same=False, write=None,
+        ablate=False):
     """Rows {name: (bytes sent, achieved error, bound, abs_tol)} and medians
     {name: seconds} of one kind."""
     r = comm.Get_rank()
@@ -113,8 +116,12 @@ def run(comm, kind, n, repeats, block, dtype=np.float32, tols=None, same=False, 
         tols = [("mixed, same error", achieved), ("mixed, same bound", base.last_error_bound)]
     else:
         tols = [(f"mixed, abs_tol {t:g}", t) for t in tols]
-    configs = [("mpi", None), ("int8 two-shot", base)] + [
-        (name, QuantizedComm(comm, abs_tol=t, **common)) for name, t in tols]
+    configs = [("mpi", None), ("int8 two-shot", base)]
+    for name, t in tols:
+        configs.append((name, QuantizedComm(comm, abs_tol=t, **common)))
+        if ablate:
+            configs.append((name.replace("mixed", "no prediction"),
+                            QuantizedComm(comm, abs_tol=t, **common)))
     times = {name: [] for name, _ in configs}
     rows = {}                           # or a refused tolerance's "need abs_tol >= ..."
     for name, qc in configs:            # warm: compiles, plans, workspace
@@ -122,11 +129,15 @@ def run(comm, kind, n, repeats, block, dtype=np.float32, tols=None, same=False, 
             comm.Allreduce(x, out)
             rows[name] = (0, _error(out, exact), 0.0, None)
             continue
+        # its format is made at its first call, and reads PREDICT then
+        mixed.PREDICT = not name.startswith("no prediction")
         try:
             qc.Allreduce(x, out)
         except ValueError as e:         # too fine for this data: every rank alike
             rows[name] = str(e).rsplit(": ", 1)[-1]
             continue
+        finally:
+            mixed.PREDICT = True
         rows[name] = (comm.allreduce(qc.last_call.bytes_sent, MPI.MAX),
                       comm.allreduce(_error(out, exact), MPI.MAX), qc.last_error_bound,
                       qc.options["abs_tol"])
@@ -173,6 +184,8 @@ def build_parser():
     p.add_argument("--abs-tol", type=_floats, default=None, metavar="T,T",
                    help="run the mode at these tolerances (default: int8's achieved error "
                    "and its certified bound)")
+    p.add_argument("--ablate", action="store_true",
+                   help="each tolerance also without prediction (no DELTA blocks)")
     p.add_argument("--same", action="store_true",
                    help="every rank rank 0's data (as ZCCL's benchmark gives)")
     p.add_argument("--write", metavar="PREFIX", default=None,
@@ -194,27 +207,27 @@ def main(argv=None):
     dtype = np.dtype(a.dtype)
     for i, kind in enumerate(kinds):
         rows, med = run(comm, kind, a.values, a.repeats, a.block, dtype, a.abs_tol, a.same,
-                        a.write if i == 0 else None)
+                        a.write if i == 0 else None, a.ablate)
         if comm.Get_rank():
             continue
         print(f"# {kind}: P={P}, {a.values} {dtype.name} values "
               f"({a.values * dtype.itemsize / 2 ** 20:.1f} MiB) per rank"
               f"{', the same on every rank' if a.same else ''}, block {a.block}, "
               f"{a.repeats} interleaved rounds")
-        print(f"{'configuration':<24} {'abs_tol':>10} {'bytes sent':>11} {'B/value':>8} "
+        print(f"{'configuration':<28} {'abs_tol':>10} {'bytes sent':>11} {'B/value':>8} "
               f"{'achieved err':>13} {'bound':>10} {'median ms':>10} {'vs int8':>8}")
         t0 = med["int8 two-shot"]
         sent_values = 2 * (P - 1) / P * a.values
         for name, row in rows.items():
             if isinstance(row, str):
-                print(f"{name:<24} refused: {row}")
+                print(f"{name:<28} refused: {row}")
                 continue
             sent, err, bnd, tol = row
             tol_s = "-" if tol is None else f"{tol:.3g}"
             bpv = f"{sent / sent_values:.3f}" if sent and sent_values else "-"
             if name == "mpi":
                 bpv = f"{dtype.itemsize:.3f}"
-            print(f"{name:<24} {tol_s:>10} {sent:>11} {bpv:>8} {err:>13.4g} "
+            print(f"{name:<28} {tol_s:>10} {sent:>11} {bpv:>8} {err:>13.4g} "
                   f"{bnd:>10.4g} {med[name] * 1e3:>10.3f} {med[name] / t0:>8.3f}")
         print(flush=True)
     return 0

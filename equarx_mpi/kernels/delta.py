@@ -213,7 +213,7 @@ def decode(u8, pay, acc, hd, m, dst):
         c = min(GROUP, m - lo)
         w = np.int64(u8[pay + k])
         if w == 0:
-            v = min(max(as_acc(dst, np.float64(q) * s), -a), a)
+            v = as_acc(dst, q)
             for j in range(c):
                 dst[_U(lo + j)] = v
             continue
@@ -245,4 +245,7 @@ def decode(u8, pay, acc, hd, m, dst):
                 bits >>= _U(w)
                 held -= w
             q += np.int64(z >> _U(1)) ^ -np.int64(z & _U(1))
-            dst[_U(lo + j)] = min(max(as_acc(dst, np.float64(q) * s), -a), a)
+            dst[_U(lo + j)] = as_acc(dst, q)        # exact: |q| < 2^p
+    # the values from the grid indices in a second pass, which vectorizes
+    for j in range(m):
+        dst[_U(j)] = min(max(as_acc(dst, np.float64(dst[_U(j)]) * s), -a), a)

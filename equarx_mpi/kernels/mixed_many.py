@@ -83,7 +83,7 @@ def _start(u8, i64, acc, nb, cur):
 
 @njit(**KERNEL)
 def mx_decode_reduce_encode_many(own, pos, u8, i8, i16, acc, i64, o8, oi8, oi16, oacc, oi64,
-                                 of64, block, room, u, eta, scratch, heads, cur, qs):
+                                 of64, block, room, u, eta, scratch, heads, cur, qs, predict):
     """The two-shot owner: the rank-order sum of own and the messages,
     encoded per block with the cheapest tag whose bound b keeps b * SAFE
     <= room (tolerance.owner_room: what the senders' trailers left).  A
@@ -106,7 +106,8 @@ def mx_decode_reduce_encode_many(own, pos, u8, i8, i16, acc, i64, o8, oi8, oi16,
             o8[META + b] = FLAG
             continue
         tag, bnd, pay, nh = emit_block(readonly(scratch), np.int64(0), m, room, u, eta, o8, oi8, oi16,
-                                       oacc, pay, heads, np.int64(nh), scratch[2 * block:], qs)
+                                       oacc, pay, heads, np.int64(nh), scratch[2 * block:], qs,
+                                       predict)
         o8[META + b] = tag
         worst = max(worst, bnd)
     return _finish(o8, oacc, oi64, of64, pay, heads, nh, worst)

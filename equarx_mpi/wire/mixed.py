@@ -20,6 +20,9 @@ from equarx_mpi.bounds import bound, tolerance
 from equarx_mpi.wire.base import Format, acc_dtype, pad8
 
 T = bound.TRAILER
+#: whether blocks may go DELTA (prediction); read when a format is made:
+#: False only for ablations (``python -m equarx_mpi.bench tolerance --ablate``)
+PREDICT = True
 
 
 class Mixed(Format):
@@ -31,6 +34,7 @@ class Mixed(Format):
         self.u, self.eta = bound.acc_rounding(self.head)
         self.scratch = np.empty(4 * block, self.head)
         self.qs = np.empty(2 * block, np.int64)      # DELTA's grid indices
+        self.predict = np.int64(PREDICT)
         self._heads = np.empty(0, self.head)
         self._cur = np.empty((0, 2), np.int64)
         #: tolerance.Budget of the call; None: every block raw
@@ -93,7 +97,7 @@ class Mixed(Format):
     def encode(self, src, w, rmode, at=None):
         room = 0.0 if self.budget is None else self.budget.send
         K.mx_encode(src, *w[:6], self.block, room, self.u, self.eta, self.scratch,
-                    self._heads_for(src.size), self.qs)
+                    self._heads_for(src.size), self.qs, self.predict)
 
     def decode(self, w, out):
         skipped = self._skip(out.size)
@@ -124,4 +128,4 @@ class Mixed(Format):
             room = tolerance.owner_room(self.budget, ws[5])
         K.mx_decode_reduce_encode_many(own, pos, *ws[:5], *wo[:6], self.block, room, self.u,
                                        self.eta, self.scratch, self._heads_for(own.size),
-                                       self._cursors(ws[0].shape[0]), self.qs)
+                                       self._cursors(ws[0].shape[0]), self.qs, self.predict)
