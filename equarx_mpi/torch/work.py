@@ -32,16 +32,19 @@ from mpi4py import MPI
 
 class Work(dist.Work):
     """A call of an equarx group: ``wait()``, ``is_completed()``,
-    ``get_future()`` (its value: the call's output tensors), ``result()``."""
+    ``get_future()`` (its value: the call's output tensors), ``result()``.
+    ``done``: finished already (a blocking call; its future is made when
+    asked for: a blocking call's Work is only waited on)."""
 
     def __init__(self, result, done=True):
         super().__init__()
         self._result = result
-        self._fut = torch.futures.Future()
-        self._done = threading.Event()
         self._error = None
         if done:
-            self._finish(None)
+            self._fut = self._done = None
+        else:
+            self._fut = torch.futures.Future()
+            self._done = threading.Event()
 
     def _finish(self, error):
         self._error = error
@@ -52,6 +55,8 @@ class Work(dist.Work):
         self._done.set()
 
     def wait(self, timeout=None):
+        if self._done is None:
+            return True
         seconds = None if timeout is None else timeout.total_seconds()
         if seconds is not None and seconds <= 0:     # torch's "no timeout"
             seconds = None
@@ -62,15 +67,18 @@ class Work(dist.Work):
         return True
 
     def is_completed(self):
-        return self._done.is_set()
+        return self._done is None or self._done.is_set()
 
     def is_success(self):
-        return self._done.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self):
         return self._error
 
     def get_future(self):
+        if self._fut is None:
+            self._fut = torch.futures.Future()
+            self._fut.set_result(self._result)
         return self._fut
 
     def result(self):
