@@ -166,20 +166,20 @@ def test_fewest_bits_for_the_budget(dtype):
     """Smooth data with an offset goes DELTA, in fewer bytes than affine
     would take; noise on an offset goes affine; on Gaussian data DELTA never
     costs bytes over the fixed tags (it is taken where a uniform grid at
-    the step the budget allows is cheaper than the next fixed tag's finer
-    one); a looser budget never costs more bytes."""
+    the step the budget allows needs at most 3/4 of the bytes of the
+    fixed tag that fits); a looser budget never costs more bytes."""
     fmt = fmt_for(dtype, 256)
     rng = np.random.default_rng(3)
-    room = 0.5 * 1.0 / 15 * 1.2                  # int4-affine fits a range of 1
+    room = 0.5 * 1.0 / 255 * 1.2                 # int8-affine fits a range of 1
     x = as_dtype(np.sin(np.arange(4096) / 300.0) * 0.5 + 2.0, dtype)
     buf, w = encode(fmt, x, room)
     tags = np.bincount(w[0][R.META:R.META + 16], minlength=9)
-    assert tags[R.DELTA] == 16, tags
-    affine_bytes = 16 * (128 + 2 * fmt.head.itemsize)
+    assert tags[R.DELTA] >= 12, tags          # (flat ones near the extrema: int4-affine)
+    affine_bytes = 16 * (256 + 2 * fmt.head.itemsize)
     assert fmt.message(buf).size < 0.6 * affine_bytes
     noisy = as_dtype(2.0 + 0.5 * rng.uniform(-1, 1, 4096), dtype)
     _, w = encode(fmt, noisy, room)
-    assert np.bincount(w[0][R.META:R.META + 16], minlength=9)[R.INT4A] == 16
+    assert np.bincount(w[0][R.META:R.META + 16], minlength=9)[R.INT8A] == 16
     g = as_dtype(rng.standard_normal(4096), dtype)
     sizes = []
     v = to_acc(g)
