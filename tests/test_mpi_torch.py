@@ -111,6 +111,16 @@ def test_all_reduce_matches_gloo(gloo, dtype, op):
     everywhere(eqt.qcomm().last_call.wire is None, "a small call is exact")
 
 
+def test_all_reduce_coalesced(gloo):
+    xs = [inputs(torch.float32, n, seed=11) for n in (3, 1, 40)]
+    ours, ref = [x.clone() for x in xs], [x.clone() for x in xs]
+    dist.all_reduce_coalesced(ours)
+    for t in ref:
+        dist.all_reduce(t, group=gloo)
+    everywhere(all(close_to(o, r, x, Op.SUM) for o, r, x in zip(ours, ref, xs)),
+               "all_reduce_coalesced against gloo's all_reduce")
+
+
 def test_bitwise_ops_match_gloo(gloo):
     for op in (Op.BAND, Op.BOR, Op.BXOR):
         x = torch.randint(0, 1 << 30, (64,), generator=torch.Generator().manual_seed(R))
@@ -317,6 +327,11 @@ def test_send_recv():
     for r in reqs:
         r.wait()
     everywhere(torch.equal(got, torch.full((5,), float(prv))), "isend/irecv around a ring")
+    y = torch.empty(3)
+    for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x[:3], nxt),
+                                     dist.P2POp(dist.irecv, y, prv)]):
+        w.wait()
+    everywhere(torch.equal(y, torch.full((3,), float(prv))), "batch_isend_irecv")
     if R == 0:
         srcs, ok = set(), True
         for _ in range(P - 1):
