@@ -2,7 +2,7 @@
 random lengths, dtypes, block sizes, tolerances and adversarial data
 (per-block outliers, magnitudes that differ across ranks, near
 cancellation, constant blocks, subnormals, values near each dtype's
-limits, Inf/NaN), either every rank raises the same ValueError (the
+limits, Inf/NaN; smooth fields with offsets, whose blocks go DELTA), either every rank raises the same ValueError (the
 tolerance is finer than the float additions and the output type allow),
 or the call's ``last_error_bound`` is at most its tolerance and no finite
 result value is further than that bound from the exact sum (math.fsum),
@@ -36,7 +36,7 @@ P, RANK = WORLD.Get_size(), WORLD.Get_rank()
 CASES = int(os.environ.get("EQUARX_MPI_HYPOTHESIS_CASES", "150"))
 DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16]
 KINDS = ["normal", "outliers", "ranks", "cancel", "constant", "subnormal", "limits",
-         "nonfinite", "smooth"]
+         "nonfinite", "smooth", "field", "pressure", "ramp"]
 TOLS = [1e-12, 1e-7, 1e-5, 1e-3, 1e-2, 0.1, 0.5]
 _COMMS = {}
 
@@ -82,6 +82,15 @@ def inputs(kind, seed, n, dt, block):
             g[rng.integers(0, n, max(1, n // 100))] = rng.choice([np.inf, -np.inf, np.nan])
         elif kind == "smooth":
             g = 50.0 + np.sin(np.arange(n) / 40.0 + r) + 1e-3 * g
+        # smooth with offsets, where blocks go DELTA (prediction): a
+        # temperature, a pressure, a steep ramp with grid indices near 2^24
+        elif kind == "field":
+            t = np.arange(n) / rng.uniform(5.0, 200.0)
+            g = 280.0 + 12.0 * np.sin(t + r) + 3.0 * np.cos(3.1 * t) + 1e-4 * g
+        elif kind == "pressure":
+            g = 1e5 + 800.0 * np.sin(np.arange(n) / rng.uniform(5.0, 200.0) + r)
+        elif kind == "ramp":
+            g = 1.6e7 * rng.uniform(-1, 1) + np.arange(n) * rng.uniform(-3, 3) + np.sin(g)
         with np.errstate(over="ignore", invalid="ignore"):
             xs.append(np.asarray(g, np.float64).astype(dt))
     return xs
