@@ -16,6 +16,7 @@ from reference import BF16
 from test_mpi_bound import KINDS, call, exact_error, make
 
 from equarx_mpi import ErrorFeedback, QuantizedComm
+from equarx_mpi.wire import mixed
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
@@ -24,6 +25,15 @@ DTYPES = [np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BF16
 BLOCK = 64
 #: a relative tolerance each dtype can meet at 8 ranks (tolerance.budget)
 REL = {"float32": 1e-3, "float64": 1e-9, "float16": 0.05, "bfloat16": 0.05}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def predicting():
+    """Prediction (DELTA blocks) on, as across nodes: these tests run on one
+    node, where it is off by default (wire/mixed.PREDICT)."""
+    mixed.PREDICT = True
+    yield
+    mixed.PREDICT = None
 
 
 def comm(**opts):
@@ -217,3 +227,14 @@ def test_prediction_on_smooth_fields_spends_the_tolerance(dt):
                 everywhere(len(set(same)) == 1, f"{name}: the same result on every rank")
             qc.free()
         everywhere(sent["tol"] < 0.7 * sent["int8"], f"{name} {dt.name}: bytes {sent}")
+    # by default (wire/mixed.PREDICT None) prediction is off on one node,
+    # where these ranks run: the mode as before it, more bytes
+    mixed.PREDICT = None
+    try:
+        qc = comm(abs_tol=tol)
+        qc.allreduce(data)
+        plain = WORLD.allreduce(qc.last_call.bytes_sent, MPI.MAX)
+        qc.free()
+    finally:
+        mixed.PREDICT = True
+    everywhere(plain > 1.5 * sent["tol"], f"one node, default: {plain} bytes, {sent}")

@@ -29,6 +29,7 @@ from reference import BF16
 from test_mpi_bound import exact_error
 
 from equarx_mpi import QuantizedComm
+from equarx_mpi.wire import mixed
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
@@ -41,10 +42,13 @@ TOLS = [1e-12, 1e-7, 1e-5, 1e-3, 1e-2, 0.1, 0.5]
 _COMMS = {}
 
 
-def qcomm(mode, tol, block):
-    """One QuantizedComm per (mode, tolerance, block): made once, collectively
-    (every rank draws the same examples, so the same ones in the same order)."""
-    key = (mode, tol, block)
+def qcomm(mode, tol, block, predict):
+    """One QuantizedComm per (mode, tolerance, block, prediction): made once,
+    collectively (every rank draws the same examples, so the same ones in
+    the same order); its format, made at its first call, reads
+    mixed.PREDICT then (run_case sets it: on one node it is off by
+    default, and the cases test both)."""
+    key = (mode, tol, block, predict)
     if key not in _COMMS:
         _COMMS[key] = QuantizedComm(WORLD, block_size=block, min_quantized_bytes=0,
                                     chunks=2, **{mode: tol})
@@ -103,7 +107,8 @@ def run_case(c):
     kind, what, in_place = c["kind"], c["what"], c["in_place"]
     n = m * P
     xs = inputs(kind, c["seed"], n, dt, block)
-    qc = qcomm(mode, tol, block)
+    qc = qcomm(mode, tol, block, c["predict"])
+    mixed.PREDICT = c["predict"]
     try:
         if what == "Allreduce":
             out = xs[RANK].copy() if in_place else np.empty(n, dt)
@@ -118,7 +123,9 @@ def run_case(c):
         got = None
     except ValueError as e:
         got = str(e)
-    desc = (what, dt.name, kind, mode, tol, block, m, in_place)
+    finally:
+        mixed.PREDICT = None
+    desc = (what, dt.name, kind, mode, tol, block, m, in_place, c["predict"])
     everyone = WORLD.allgather(got)
     if len(set(everyone)) != 1:
         return f"{desc}: outcomes differ between ranks: {everyone}", "?"
@@ -148,7 +155,8 @@ def drawn(seen):
     @given(m=st.integers(1, 700), dt=st.sampled_from(DTYPES),
            block=st.sampled_from([32, 64, 256]), mode=st.sampled_from(["abs_tol", "rel_tol"]),
            tol=st.sampled_from(TOLS), kind=st.sampled_from(KINDS), seed=st.integers(0, 2 ** 31),
-           what=st.sampled_from(["Allreduce", "Reduce_scatter_block"]), in_place=st.booleans())
+           what=st.sampled_from(["Allreduce", "Reduce_scatter_block"]), in_place=st.booleans(),
+           predict=st.sampled_from([True, None]))
     def prop(**c):
         WORLD.bcast(c)
         failed, happened = run_case(c)

@@ -16,8 +16,9 @@ For each data kind of --kinds (see below; every rank its own data, or with
 2. the error-bounded mode runs with abs_tol = each --abs-tol given, or by
    default with abs_tol = int8's achieved error ("same error": it
    guarantees what int8 happened to reach) and int8's certified bound
-   ("same bound"); with --ablate each tolerance also without prediction
-   (no DELTA blocks: the mode as it was before it).
+   ("same bound").  Prediction (DELTA blocks) is on across nodes only
+   (wire/mixed.PREDICT); --ablate forces it on, and adds each tolerance
+   without it (the mode as it was before it).
 
 Rows: bytes this rank sent (largest over ranks); B/value, those bytes per
 value this rank sends (two-shot sends 2(P-1)/P of its values: the scatter
@@ -129,15 +130,17 @@ def run(comm, kind, n, repeats, block, dtype=np.float32, tols=None, same=False, 
             comm.Allreduce(x, out)
             rows[name] = (0, _error(out, exact), 0.0, None)
             continue
-        # its format is made at its first call, and reads PREDICT then
-        mixed.PREDICT = not name.startswith("no prediction")
+        # its format is made at its first call, and reads PREDICT then:
+        # --ablate forces prediction on and off, else the default (across
+        # nodes only)
+        mixed.PREDICT = (not name.startswith("no prediction")) if ablate else None
         try:
             qc.Allreduce(x, out)
         except ValueError as e:         # too fine for this data: every rank alike
             rows[name] = str(e).rsplit(": ", 1)[-1]
             continue
         finally:
-            mixed.PREDICT = True
+            mixed.PREDICT = None
         rows[name] = (comm.allreduce(qc.last_call.bytes_sent, MPI.MAX),
                       comm.allreduce(_error(out, exact), MPI.MAX), qc.last_error_bound,
                       qc.options["abs_tol"])
@@ -185,7 +188,7 @@ def build_parser():
                    help="run the mode at these tolerances (default: int8's achieved error "
                    "and its certified bound)")
     p.add_argument("--ablate", action="store_true",
-                   help="each tolerance also without prediction (no DELTA blocks)")
+                   help="prediction forced on, and each tolerance also without it")
     p.add_argument("--same", action="store_true",
                    help="every rank rank 0's data (as ZCCL's benchmark gives)")
     p.add_argument("--write", metavar="PREFIX", default=None,

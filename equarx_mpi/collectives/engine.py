@@ -195,6 +195,8 @@ class Engine:
             make = lambda: formats.make_format(wire, block, kdtype)  # noqa: E731
             fmt = (Threaded(make, self.threads) if self.threads > 1
                    and wire != formats.MODE_WIRE else make())
+            if wire == formats.MODE_WIRE:
+                fmt.place(self.one_node)        # prediction pays across nodes only
             self._formats[kdtype.str] = fmt
         # error feedback decodes what each quantization sent: every kernel
         algorithm = None if feedback else algorithm

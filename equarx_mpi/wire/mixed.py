@@ -20,9 +20,15 @@ from equarx_mpi.bounds import bound, tolerance
 from equarx_mpi.wire.base import Format, acc_dtype, pad8
 
 T = bound.TRAILER
-#: whether blocks may go DELTA (prediction); read when a format is made:
-#: False only for ablations (``python -m equarx_mpi.bench tolerance --ablate``)
-PREDICT = True
+#: whether blocks may go DELTA (prediction), read when the engine makes a
+#: format: None (the default) across nodes only, True always, False never.
+#: Prediction spends kernel time (about 5x an int8 block's) to save wire
+#: bytes; on one node the "wire" is shared memory and it did not pay: 4
+#: ranks on 2 cores, 4 MiB per rank, the smooth field at abs_tol 0.4 took
+#: 39 ms with it against 18 without, for 0.32 bytes per value against
+#: 1.02 (docs/results/tolerance-kinds-shm.txt).  Tests of the kernels
+#: under mpirun set True; ablations (bench tolerance --ablate) both.
+PREDICT = None
 
 
 class Mixed(Format):
@@ -34,11 +40,16 @@ class Mixed(Format):
         self.u, self.eta = bound.acc_rounding(self.head)
         self.scratch = np.empty(4 * block, self.head)
         self.qs = np.empty(2 * block, np.int64)      # DELTA's grid indices
-        self.predict = np.int64(PREDICT)
+        self.predict = np.int64(PREDICT is not False)
         self._heads = np.empty(0, self.head)
         self._cur = np.empty((0, 2), np.int64)
         #: tolerance.Budget of the call; None: every block raw
         self.budget = None
+
+    def place(self, one_node):
+        """Where the schedule runs: on one node DELTA is off unless PREDICT
+        says otherwise."""
+        self.predict = np.int64(PREDICT if PREDICT is not None else not one_node)
 
     def nbytes(self, n):
         # the most a piece can take: every payload raw (DELTA's is never
