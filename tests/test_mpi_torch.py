@@ -283,6 +283,12 @@ def test_async_work_and_futures(gloo):
     ours = [x.clone() for x in xs]
     works = [dist.all_reduce(t, async_op=True) for t in ours]
     fut = works[1].get_future().then(lambda f: f.value()[0] * 2)
+    # a callback that starts a call of the group, attached once the work has
+    # completed on every rank: it runs here, at the same point everywhere
+    works[0].wait()
+    later = torch.ones(4)
+    chained = works[0].get_future().then(
+        lambda f: dist.all_reduce(later, async_op=True).get_future().wait()[0])
     # a blocking call after them runs after them (program order)
     b = ours[2]
     dist.broadcast(b, src=0)
@@ -296,6 +302,8 @@ def test_async_work_and_futures(gloo):
     everywhere(all(close_to(o, r, x, Op.SUM) for o, r, x in zip(ours, refs, xs)),
                "async all_reduce results")
     everywhere(torch.equal(fut.wait(), ours[1] * 2), "a chained future")
+    everywhere(torch.equal(chained.wait(), torch.full((4,), float(P))),
+               "a call made by a callback")
     w = ALL_GATHER_SINGLE(torch.empty(P), torch.tensor([float(R)]), async_op=True)
     everywhere(torch.equal(w.get_future().wait()[0], torch.arange(P, dtype=torch.float32)),
                "an async gather's future holds its output")

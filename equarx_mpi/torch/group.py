@@ -55,7 +55,10 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._base = comm
         self._options = dict(options)
         self._data = comm.Dup()         # exact collectives, in the caller or the queue
-        self._ctl = comm.Dup()          # agreements, always in the caller's thread
+        self._ctl = comm.Dup()          # agreements of calls made by the program
+        # ... and of calls made by callbacks in the queue's thread (a future's
+        # then()): two threads never share a communicator's collectives
+        self._ctl_q = comm.Dup()
         self._p2p = comm.Dup()          # send/recv, never queued
         self._qc = QuantizedComm(comm, **self._options)
         self._exec = Executor()
@@ -82,16 +85,23 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         return EXACT[0] > 0 or self.exact_depth > 0
 
     def _go(self, opts, fn, result):
-        """Run fn now, or queue it if the caller waits later; a Work."""
+        """Run fn now, or queue it if the caller waits later; a Work.  A
+        call made in the queue's thread (a callback) runs at once: its place
+        among the calls is then the same on every rank (right after the call
+        whose completion ran the callback), which the queue could not give
+        against the program's own submissions."""
         if getattr(opts, "asyncOp", True) and self._exec.threaded and not self._exec.in_thread():
             return self._exec.submit(fn, result)
         self._exec.run(fn)
         return Work(result)
 
+    def _control(self):
+        return self._ctl_q if self._exec.in_thread() else self._ctl
+
     def _agree(self, what, fields, err):
         if self._qc is None:
             raise RuntimeError("equarx: this process group has been shut down")
-        agree(self._ctl, what, fields, err)
+        agree(self._control(), what, fields, err)
 
     def set_options(self, **options):
         """Collective: a new QuantizedComm with these options updated."""
@@ -109,7 +119,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._exec.close()
         self._qc.free()
         self._qc = None
-        for c in (self._data, self._ctl, self._p2p, self._base):
+        for c in (self._data, self._ctl, self._ctl_q, self._p2p, self._base):
             c.Free()
 
     abort = shutdown
@@ -286,7 +296,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         """Agree on the call, then that what rank r sends rank j is what j
         expects from r (an all-to-all of the counts), then run it."""
         self._agree(what, [], err)
-        theirs = self._ctl.alltoall(send)
+        theirs = self._control().alltoall(send)
         bad = [j for j in range(self._size) if theirs[j] != recv[j]]
         err = None if not bad else ValueError(
             f"equarx: {what}: rank {self.rank()} expects {[recv[j] for j in bad]} elements "
