@@ -189,3 +189,32 @@ def test_hook_state_checks(gloo):
             got = str(e)
         half.Free()
         everywhere(got is not None and "pass comm=" in got, f"a mismatched comm: {got}")
+
+
+def test_functional_collectives_dtensor_fsdp2(gloo):
+    """What FSDP2 and tensor parallelism run on: functional collectives,
+    DeviceMesh, DTensor and fully_shard, on "equarx" as on gloo."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    y = funcol.all_reduce(torch.full((4,), R + 1.0), "sum", dist.group.WORLD)
+    everywhere(torch.equal(torch.as_tensor(y.wait() if hasattr(y, "wait") else y),
+                           torch.full((4,), P * (P + 1) / 2)), "funcol all_reduce")
+    meshes = {"equarx": init_device_mesh("cpu", (P,)),
+              "gloo": DeviceMesh.from_group(gloo, "cpu")}
+    full = torch.arange(8.0 * P).reshape(4 * P, 2)
+    d = distribute_tensor(full, meshes["equarx"], [Shard(0)])
+    everywhere(torch.equal(d.full_tensor(), full), "a DTensor sharded and gathered")
+    grads = {}
+    for name, mesh in meshes.items():
+        m = model()
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(R))
+        m(x).pow(2).mean().backward()
+        grads[name] = torch.cat([p.grad.full_tensor().reshape(-1) for p in m.parameters()])
+    everywhere(same_params(grads["equarx"], grads["gloo"]), "FSDP2's gradients as on gloo")

@@ -72,6 +72,19 @@ class ProcessGroupEquarx(dist.ProcessGroup):
     def __repr__(self):
         return f"ProcessGroupEquarx(rank={self.rank()}, size={self._size})"
 
+    # torch keeps a group's name in its Backends, and this group has none:
+    # the name lives here (functional collectives and DeviceMesh look it up)
+    _name = None
+
+    def _set_group_name(self, name):
+        self._name = name
+
+    @property
+    def group_name(self):
+        if self._name is None:
+            raise RuntimeError("equarx: this process group has no name yet")
+        return self._name
+
     @property
     def qcomm(self):
         """The QuantizedComm behind all_reduce and reduce_scatter."""
