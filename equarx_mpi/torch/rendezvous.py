@@ -9,7 +9,9 @@ works the same way): rank and world size are MPI.COMM_WORLD's, rank 0
 opens a TCPStore on MASTER_ADDR:MASTER_PORT where set, else on a free port
 of its own address (127.0.0.1 when every rank shares its node), and sends
 the address to the others over MPI.  torch's other backends (gloo) use that
-store, so ``dist.new_group(backend="gloo")`` works beside "equarx".  When
+store, so ``dist.new_group(backend="gloo")`` works beside "equarx"; across
+nodes, where GLOO_SOCKET_IFNAME is unset, it is set to the interface each
+rank reaches rank 0 through (gloo would take its host name's address).  When
 the four variables are all set (torchrun), torch's own handler runs as
 before.  Nothing happens at import: the collective calls are made inside
 ``init_process_group``, which every rank calls.
@@ -84,6 +86,13 @@ def _mpi_rendezvous(query, timeout):
                    f"({e}); set MASTER_ADDR to an address of rank 0's host the others reach")
     _raise_first(comm.allgather(err))
     store.set_timeout(timeout)
+    if not one_node and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        # gloo picks its interface from the host name (127.0.0.1 on many
+        # hosts, which other hosts cannot reach): give it the one this rank
+        # reaches rank 0's store through
+        name = _interface_towards(host)
+        if name is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
     yield store, rank, size
     raise RuntimeError("equarx: the MPI rendezvous cannot be repeated")
 
@@ -111,6 +120,19 @@ def _my_address():
         if addr is not None and not addr.startswith("127."):
             return addr
     raise RuntimeError("no address of this host found: set MASTER_ADDR")
+
+
+def _interface_towards(addr):
+    """The name of the interface this host sends to ``addr`` through, or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))        # UDP: nothing is sent
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    if local.startswith("127."):
+        return None
+    return next((n for _, n in socket.if_nameindex() if _interface_address(n) == local), None)
 
 
 def _interface_address(name):
