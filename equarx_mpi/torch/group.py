@@ -99,10 +99,9 @@ class ProcessGroupEquarx(dist.ProcessGroup):
 
     def _go(self, opts, fn, result):
         """Run fn now, or queue it if the caller waits later; a Work.  A
-        call made in the queue's thread (a callback) runs at once: its place
-        among the calls is then the same on every rank (right after the call
-        whose completion ran the callback), which the queue could not give
-        against the program's own submissions."""
+        call made in the queue's thread (a future's callback) runs at once:
+        the queue cannot wait for itself (docs/TORCH.md: when such calls
+        are ordered alike on every rank)."""
         if getattr(opts, "asyncOp", True) and self._exec.threaded and not self._exec.in_thread():
             return self._exec.submit(fn, result)
         self._exec.run(fn)
