@@ -154,6 +154,19 @@ def test_all_reduce_quantized_within_bound(int8, dtype, op):
     everywhere(same_on_every_rank(y), "identical bits on every rank")
 
 
+def test_unchecked_group(gloo):
+    """check=False: no agreement (MPI's own semantics and cost); an error
+    every rank makes is still raised by each."""
+    g = dist.new_group(backend="equarx", pg_options=eqt.Options(check=False))
+    x = inputs(torch.float32, 100, seed=12)
+    ours, ref = x.clone(), x.clone()
+    dist.all_reduce(ours, group=g)
+    dist.all_reduce(ref, group=gloo)
+    everywhere(close_to(ours, ref, x, Op.SUM), "all_reduce without agreement")
+    raises_everywhere(TypeError, lambda: dist.all_reduce(torch.empty(2, device="meta"), group=g),
+                      match="CPU tensors")
+
+
 def test_exact_context_and_options(int8, gloo):
     x = inputs(torch.float32, 3000, seed=3)
     y, ref = x.clone(), x.clone()
