@@ -7,7 +7,7 @@ accuracy.
     python -m equarx_mpi.cluster run --hosts 4 --rate 1gbit --exec -- \\
         examples/torch_dp_train.py --json dp.json
 
-Model: an MLP 64-3072-3072-10 (ReLU), 9,677,834 float32 parameters, so a
+Model: an MLP 64-3072-3072-10 (ReLU), 9,670,666 float32 parameters, so a
 step sums 36.9 MiB of gradient over the ranks in DDP's buckets (25 MiB
 each): bandwidth-bound at 1 Gbit/s.  SGD with momentum; each global batch
 of 64 split over the ranks.  Data, split, initial weights and batch order
