@@ -166,8 +166,8 @@ def encode_block(v, room):
         asz = v.dtype.itemsize
         with np.errstate(over="ignore"):        # as the kernel: Inf compares as such
             spread = float(np.abs(np.diff(v)).max()) if v.size > 1 else 0.0
-        if s > 0 and (estimate(spread, s, v.size) + 3 * asz) * 4 <= (
-                pay_bytes(tag, v.size, asz) + n_heads(tag) * asz) * 3:    # GAIN4 = 3
+        if s > 0 and (estimate(spread, s, v.size) + 3 * asz + v.size * 1     # SAVE = 1
+                      <= pay_bytes(tag, v.size, asz) + n_heads(tag) * asz):
             h, raw = delta_encode(v, s, float(a))
             return DELTA, h, raw
     m = v.size

@@ -163,20 +163,22 @@ def test_encode_decode_against_reference(dtype, block):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_fewest_bits_for_the_budget(dtype):
-    """Smooth data with an offset goes DELTA, in fewer bytes than affine
-    would take; noise on an offset goes affine; on Gaussian data DELTA never
-    costs bytes over the fixed tags (it is taken where a uniform grid at
-    the step the budget allows needs at most 3/4 of the bytes of the
-    fixed tag that fits); a looser budget never costs more bytes."""
+    """Smooth data with an offset goes DELTA where the fixed tags would
+    send it raw, in far fewer bytes; noise on an offset goes affine, never
+    DELTA in place of an 8-bit tag (delta.SAVE); on Gaussian data DELTA
+    never costs bytes over the fixed tags; a looser budget never costs
+    more bytes."""
     fmt = fmt_for(dtype, 256)
     rng = np.random.default_rng(3)
-    room = 0.5 * 1.0 / 255 * 1.2                 # int8-affine fits a range of 1
     x = as_dtype(np.sin(np.arange(4096) / 300.0) * 0.5 + 2.0, dtype)
-    buf, w = encode(fmt, x, room)
+    buf, w = encode(fmt, x, 2e-6)                # finer than int16: raw, or DELTA
     tags = np.bincount(w[0][R.META:R.META + 16], minlength=9)
-    assert tags[R.DELTA] >= 12, tags          # (flat ones near the extrema: int4-affine)
-    affine_bytes = 16 * (256 + 2 * fmt.head.itemsize)
-    assert fmt.message(buf).size < 0.6 * affine_bytes
+    assert tags[R.DELTA] == 16, tags
+    raw_bytes = 16 * 256 * fmt.head.itemsize
+    assert fmt.message(buf).size < 0.75 * raw_bytes
+    room = 0.5 * 1.0 / 255 * 1.2                 # int8-affine fits a range of 1
+    _, w = encode(fmt, x, room)
+    assert not (w[0][R.META:R.META + 16] == R.DELTA).any()
     noisy = as_dtype(2.0 + 0.5 * rng.uniform(-1, 1, 4096), dtype)
     _, w = encode(fmt, noisy, room)
     assert np.bincount(w[0][R.META:R.META + 16], minlength=9)[R.INT8A] == 16

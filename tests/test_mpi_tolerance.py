@@ -37,7 +37,8 @@ def predicting():
 
 
 def comm(**opts):
-    return QuantizedComm(WORLD, block_size=BLOCK, min_quantized_bytes=0, chunks=2, **opts)
+    opts.setdefault("block_size", BLOCK)
+    return QuantizedComm(WORLD, min_quantized_bytes=0, chunks=2, **opts)
 
 
 def verify(qc, out, parts, tol, desc):
@@ -199,24 +200,27 @@ def test_exact_paths_zeros_max_allgather_iallreduce_nocheck():
 @pytest.mark.parametrize("dt", [np.dtype(np.float32), np.dtype(np.float64)], ids=lambda d: d.name)
 def test_prediction_on_smooth_fields_spends_the_tolerance(dt):
     """Smooth fields with offsets (a temperature near 280 K, a pressure near
-    1e5 Pa): the blocks go DELTA (kernels/delta.py), so far fewer bytes
-    than int8 at a tolerance int8 does not even meet, the error comes close
+    1e5 Pa) at tolerances finer than int16 gives: the blocks go DELTA
+    (kernels/delta.py), so far fewer bytes than int8 at a tolerance int8
+    does not even meet, the error comes close
     to the tolerance (the steps follow the budget) and stays within the
     bound; the same bits on every rank."""
     if P == 1:
         pytest.skip("one rank sends nothing")
     n = 64 * 1024
-    x = np.arange(n) / 8192.0
+    x = np.arange(n) / 32768.0
     r = WORLD.Get_rank()
     fields = {"temperature": (280.0 + 12.0 * np.sin(2 * np.pi * (x + 0.1 * r))
-                              + 3.0 * np.cos(2 * np.pi * 3 * x), 0.02 * P),
-              "pressure": (1e5 + 900.0 * np.sin(2 * np.pi * (x + 0.2 * r)), 0.5 * P)}
+                              + 3.0 * np.cos(2 * np.pi * 3 * x), 0.001 * P),
+              "pressure": (1e5 + 900.0 * np.sin(2 * np.pi * (x + 0.2 * r)), 0.05 * P)}
+    if dt == np.float32:        # float32's own additions near 1e5 need most of such a tolerance
+        del fields["pressure"]
     for name, (f, tol) in fields.items():
         data = f.astype(dt)
         sent, outs = {}, {}
         for mode, opts in [("int8", dict(wire="int8", algorithm="two_shot")),
                            ("tol", dict(abs_tol=tol))]:
-            qc = comm(**opts)
+            qc = comm(block_size=256, **opts)
             outs[mode] = qc.allreduce(data)
             sent[mode] = WORLD.allreduce(qc.last_call.bytes_sent, MPI.MAX)
             if mode == "tol":
@@ -226,12 +230,12 @@ def test_prediction_on_smooth_fields_spends_the_tolerance(dt):
                 same = WORLD.allgather(outs[mode].tobytes())
                 everywhere(len(set(same)) == 1, f"{name}: the same result on every rank")
             qc.free()
-        everywhere(sent["tol"] < 0.7 * sent["int8"], f"{name} {dt.name}: bytes {sent}")
+        everywhere(sent["tol"] < 0.85 * sent["int8"], f"{name} {dt.name}: bytes {sent}")
     # by default (wire/mixed.PREDICT None) prediction is off on one node,
     # where these ranks run: the mode as before it, more bytes
     mixed.PREDICT = None
     try:
-        qc = comm(abs_tol=tol)
+        qc = comm(block_size=256, abs_tol=tol)
         qc.allreduce(data)
         plain = WORLD.allreduce(qc.last_call.bytes_sent, MPI.MAX)
         qc.free()

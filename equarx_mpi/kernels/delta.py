@@ -44,12 +44,16 @@ from equarx_mpi.kernels.common import CACHE, HELPER, as_acc, f64_as_u64, u64_as_
 #: the bound arithmetic (a few units in 2^-53) can never let a block through
 SAFE = 1.0 + 2.0 ** -30
 GROUP = 32                      # values per bit width
-#: a block goes DELTA only where its estimated bytes are at most GAIN4 / 4
-#: of the cheapest fixed tag's: its kernels cost about 5x int8's per value,
-#: and with 4 ranks sharing 2 cores a saving of 15% (Gaussian data at
-#: abs_tol 0.4, 0.87 against int8's 1.02 bytes per value) made the call
-#: 1.7x slower on 4 emulated hosts x 1 Gbit/s (docs/results/zccl-cluster-4x1gbit.txt)
-GAIN4 = 3
+#: a block goes DELTA only where its estimated bytes are at least SAVE
+#: bytes per value fewer than the cheapest fixed tag's (so never in place of
+#: int8 or int4): its kernels cost about 5x int8's per value, and on 4
+#: emulated hosts x 1 Gbit/s sharing 2 cores smaller savings did not pay
+#: (Gaussian data at abs_tol 0.4, 0.86 against 0.97 bytes per value: 78 ms
+#: against 61; a smooth 3-D field, 0.59 against 1.04: 104 against 68;
+#: 0.97 against 1.99: 116 against 114; the 2-D field, 0.62 against 2.0:
+#: 99-119 against 120-142; docs/results/zccl-cluster-4x1gbit.txt).  A
+#: machine whose kernels run on their own cores would gain from less.
+SAVE = 1
 HEADS = 3                       # s, a, q_0
 U64 = 2.0 ** -53
 #: s keeps 12 significant bits: its low 41 mantissa bits cleared

@@ -221,8 +221,8 @@ def _emit16(vals, off, m, a, heads, h, codes, at):
 def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tcodes, qs, predict):
     """Encode vals[off:off+m] (accumulation type) with the cheapest tag that
     fits, its payload at byte ``pay``, its headers at heads[nh:]: the
-    cheapest fixed-size tag, or DELTA where its estimated bytes are at
-    most delta.GAIN4 / 4 of that (a block that cannot gain goes as before;
+    cheapest fixed-size tag, or DELTA where its estimated bytes are
+    delta.SAVE per value fewer (a block that cannot gain goes as before;
     none with ``predict`` 0, the
     ablation of wire/mixed.py's PREDICT).  qs: 2 * block int64.
     Returns (tag, bound of the block or -1 for FLAG, next payload byte,
@@ -243,8 +243,8 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
         hi = np.float64(from_order_key(kmax, zero))
         tag = choose(a, lo, hi, room, u, eta)
         s = delta.step(a, room, u, eta, acc) if predict else 0.0
-        if s > 0 and (delta.estimate(_spread(vals, off, m), s, m) + delta.HEADS * asz) * 4 <= (
-                pay_bytes(tag, m, asz) + n_heads(tag) * asz) * delta.GAIN4:
+        if s > 0 and (delta.estimate(_spread(vals, off, m), s, m) + delta.HEADS * asz
+                      + m * delta.SAVE <= pay_bytes(tag, m, asz) + n_heads(tag) * asz):
             size = delta.emit(vals, off, m, s, a, heads, nh, u8, pay, qs)
             return (DELTA, delta.bound(np.float64(heads[nh]), a, u, eta), pay + size,
                     nh + delta.HEADS)
