@@ -4,7 +4,8 @@
 # (ruff), fills numba's cache, then runs the serial tests (two at a time),
 # the MPI suites at 1, 2, 3, 4 and 8 ranks (every case at 1 and 2, each
 # case of a parametrized test at one of 3, 4 and 8: tests/conftest.py),
-# the torch suites (the "equarx" torch.distributed backend, DDP, the hook)
+# the torch suites (the "equarx" torch.distributed backend, DDP, the hook,
+# the torch examples)
 # at 1, 2, 3 and 4 ranks,
 # the node-aware schedules on faked layouts, mpi4py's own test suite
 # through equarx_mpi.wrap at 1, 2 and 4 ranks, a real client's suite
@@ -57,6 +58,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export OMPI_MCA_rmaps_base_oversubscribe=1
 export PYTHONDONTWRITEBYTECODE=1
+# torch is installed above: its suites (serial and MPI) fail instead of skipping
+export EQUARX_MPI_TORCH=1
 # one BLAS thread per rank: up to 8 ranks share 2 cores (equarx_mpi/threads.py
 # would warn about the default of one BLAS thread per core in every rank)
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -107,15 +110,16 @@ run_ranks() {
 for n in $RANKS; do
     # (the torch suites run in their own section below, at 1-4 ranks)
     run_mpi "$n" "MPI tests at $n rank(s)" -m "mpi and not large" \
-        --ignore-glob='*/test_mpi_torch*.py' tests
+        --ignore-glob='*/test_mpi_torch*.py' --ignore=tests/test_examples_torch.py tests
 done
 # --- torch.distributed: the "equarx" backend, DDP and the comm hook ----------------
 # against gloo in the same job; EQUARX_MPI_TORCH=1: a missing torch fails
 # instead of skipping.  At 1, 2, 3 and 4 ranks (of RANKS): about 2 minutes.
 for n in $RANKS; do
     case $n in
-        1|2|3|4) EQUARX_MPI_TORCH=1 run_mpi "$n" "torch suites at $n rank(s)" -m mpi \
-                     tests/test_mpi_torch.py tests/test_mpi_torch_ddp.py ;;
+        1|2|3|4) run_mpi "$n" "torch suites at $n rank(s)" -m mpi \
+                     tests/test_mpi_torch.py tests/test_mpi_torch_ddp.py \
+                     tests/test_examples_torch.py ;;
     esac
 done
 # Rabenseifner on 5 ranks: the fold onto 4 and two halving steps

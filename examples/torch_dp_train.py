@@ -24,13 +24,16 @@ one epoch each in turn, so a busy machine slows them alike.  Methods:
                 2.13's hook refuses to run without CUDA 11+ and NCCL 2.10+,
                 though nothing in it needs them)
   powersgd      DDP on gloo + torch's powerSGD_hook, rank 4 (error feedback
-                and warm start, PowerSGD from step 3)
+                and warm start, PowerSGD from step 3), in one bucket (its
+                callbacks wait inside gloo's two worker threads: two buckets
+                deadlock)
   perchannel    DDP on gloo + torch's quantization_perchannel_hook (8 bits
                 per value in channels of 512, all-gather based: each rank
                 receives every rank's bytes), with the all-gather results
                 read as gloo returns them (a list per rank; torch 2.13's hook
                 indexes them as NCCL's stacked tensor and fails on gloo with
-                "IndexError: too many indices for tensor of dimension 2")
+                "IndexError: too many indices for tensor of dimension 2"); one
+                bucket, as powersgd
 
 Needs torch (pip install 'equarx_mpi[torch]') and scikit-learn.
 """
@@ -124,12 +127,17 @@ class Trainer:
     def __init__(self, name, groups, width, lr):
         self.name = name
         model = make_model(width)
+        # PowerSGD's and the per-channel hook's callbacks wait for a second
+        # collective inside gloo's worker threads (two by default): with two
+        # buckets in flight both threads wait and nothing runs (a deadlock,
+        # seen at 4 ranks); one bucket keeps a thread free for them.
+        cap = 1024 if name in ("powersgd", "perchannel") else 25
         if name == "equarx-exact":
             ddp = DDP(model, process_group=groups["equarx-exact"])
         elif name == "equarx-int8":
             ddp = DDP(model, process_group=groups["equarx"])
         else:
-            ddp = DDP(model, process_group=groups["gloo"])
+            ddp = DDP(model, process_group=groups["gloo"], bucket_cap_mb=cap)
         self.state = None
         if name in ("hook", "hook-ef"):
             self.state = eqt.HookState(MPI.COMM_WORLD, feedback=name == "hook-ef",
