@@ -41,6 +41,19 @@ CASES = {
         "if rank == 1:\n    os.kill(os.getpid(), 9)\nqc.allreduce(x)\n",
         ""),
 }
+# torch's init_process_group wraps sys.excepthook in one that buffers stderr
+# until the hooks inside return: the traceback must still be printed
+try:
+    import torch  # noqa: F401
+    TORCH = True
+except ImportError:
+    TORCH = os.environ.get("EQUARX_MPI_TORCH") == "1"     # then this case fails loudly
+if TORCH:
+    CASES["user code raises after torch's init_process_group"] = (
+        "import torch.distributed as dist\nimport equarx_mpi.torch\n"
+        "dist.init_process_group('equarx')\n"
+        "if rank == 1:\n    raise RuntimeError('boom under torch')\ndist.barrier()\n",
+        "RuntimeError: boom under torch")
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import array
 import functools
 import struct
 import sys
+import traceback
 import zlib
 
 import numpy as np
@@ -102,9 +103,16 @@ def abort_on_exception():
 
     def hook(kind, value, tb):
         previous(kind, value, tb)
-        sys.stderr.write(f"equarx_mpi: uncaught exception on rank "
-                         f"{MPI.COMM_WORLD.Get_rank()}, aborting the MPI job\n")
-        sys.stderr.flush()
+        out = sys.stderr
+        if out is not sys.__stderr__ and sys.__stderr__ is not None:
+            # a wrapper holds sys.stderr in a buffer until the hooks inside
+            # return (torch's init_process_group installs one), which an
+            # Abort never does: the traceback goes to the process's own too
+            out = sys.__stderr__
+            out.write("".join(traceback.format_exception(kind, value, tb)))
+        out.write(f"equarx_mpi: uncaught exception on rank "
+                  f"{MPI.COMM_WORLD.Get_rank()}, aborting the MPI job\n")
+        out.flush()
         MPI.COMM_WORLD.Abort(1)
     hook._equarx_mpi = True
     sys.excepthook = hook

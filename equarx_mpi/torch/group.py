@@ -19,9 +19,6 @@ reduce_scatter go through the group's QuantizedComm, the rest is MPI's
 own (calls.py).  Point-to-point calls are MPI's nonblocking ones, checked
 locally (one rank's error is its own).
 """
-import os
-import sys
-import traceback
 
 import torch.distributed as dist
 from mpi4py import MPI
@@ -34,28 +31,6 @@ from equarx_mpi.torch.work import Executor, P2PWork, Work
 
 #: depth of ``equarx_mpi.torch.exact()`` blocks (every group and hook)
 EXACT = [0]
-
-
-def abort_on_exception():
-    """An uncaught exception on any rank prints its traceback and ends the
-    whole job, so the other ranks do not wait in their next collective (the
-    library's rule, EQUARX_MPI_ABORT_ON_EXCEPTION=0 opts out).  Written to
-    the process's own stderr: init_process_group wraps the hook in one that
-    holds sys.stderr in a buffer until the hooks inside return, which an
-    Abort never does (the library's own hook, inside it, lost the traceback)."""
-    if os.environ.get("EQUARX_MPI_ABORT_ON_EXCEPTION", "1") == "0" or \
-            getattr(sys.excepthook, "_equarx_mpi", False):
-        return
-
-    def hook(kind, value, tb):
-        rank = MPI.COMM_WORLD.Get_rank()
-        text = "".join(traceback.format_exception(kind, value, tb))
-        sys.__stderr__.write(f"{text}equarx_mpi: uncaught exception on rank {rank}, "
-                             f"aborting the MPI job\n")
-        sys.__stderr__.flush()
-        MPI.COMM_WORLD.Abort(1)
-    hook._equarx_mpi = True        # the library's QuantizedComm adds none then
-    sys.excepthook = hook
 
 
 def _listed(x):
@@ -86,8 +61,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         # then()): two threads never share a communicator's collectives
         self._ctl_q = comm.Dup()
         self._p2p = comm.Dup()          # send/recv, never queued
-        abort_on_exception()
-        self._qc = QuantizedComm(comm, **self._options)
+        self._qc = QuantizedComm(comm, **self._options)   # (its excepthook aborts the job)
         self._exec = Executor()
         self._size = comm.Get_size()
         self.exact_depth = 0

@@ -23,7 +23,7 @@ from mpi4py import MPI
 
 from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.feedback import ErrorFeedback
-from equarx_mpi.torch.group import EXACT, abort_on_exception
+from equarx_mpi.torch.group import EXACT
 from equarx_mpi.torch.tensors import array
 from equarx_mpi.torch.work import Executor
 
@@ -48,7 +48,6 @@ class HookState:
         bad = [e for e in errors if e is not None]
         if bad:
             raise ValueError(bad[0])
-        abort_on_exception()
         self.qc = QuantizedComm(comm, **options)
         self.feedback = bool(feedback)
         self._size = comm.Get_size()
