@@ -40,6 +40,7 @@ Needs torch (pip install 'equarx_mpi[torch]') and scikit-learn.
 import argparse
 import json
 import os
+import sys
 import time
 
 # one BLAS and numba thread per rank (each rank plays one chip), before
@@ -60,22 +61,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import equarx_mpi.torch as eqt  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dp_digits import load_data as digits  # noqa: E402
+
 METHODS = ("gloo", "equarx-exact", "equarx-int8", "hook", "hook-ef", "bf16-hook", "powersgd",
            "perchannel")
 WIDTH = 3072
 BATCH = 64
 
 
-def load_data(seed=0, test_fraction=0.2):
-    """Digits scaled to [0, 1]: (x_train, y_train, x_test, y_test), a fixed split."""
-    from sklearn.datasets import load_digits
-    d = load_digits()
-    x, y = (d.data / 16.0).astype(np.float32), d.target.astype(np.int64)
-    perm = np.random.default_rng(seed).permutation(len(y))
-    n_test = int(round(len(y) * test_fraction))
-    test, train = perm[:n_test], perm[n_test:]
-    return (torch.from_numpy(x[train]), torch.from_numpy(y[train]),
-            torch.from_numpy(x[test]), torch.from_numpy(y[test]))
+def load_data():
+    """examples/dp_digits.py's split of the digits, as tensors."""
+    return tuple(torch.from_numpy(a) for a in digits())
 
 
 def bf16_hook(process_group, bucket):

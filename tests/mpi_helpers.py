@@ -1,5 +1,8 @@
 """Assertions for tests under mpirun: a check that fails on one rank must
 fail on every rank (else the others wait in the next collective)."""
+import os
+
+import pytest
 from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
@@ -46,3 +49,17 @@ def rank0_draws(prop, run_case, comm=WORLD):
             run_case(c)
         failure = None
     return comm.bcast(failure)
+
+
+def need_torch():
+    """Import torch for a test module: skip the module where torch is
+    missing, unless EQUARX_MPI_TORCH=1 (run_tests.sh sets it after
+    installing torch), where a missing torch fails instead."""
+    try:
+        import torch
+    except ImportError:
+        if os.environ.get("EQUARX_MPI_TORCH") == "1":
+            raise
+        pytest.skip("torch is not installed (pip install 'equarx_mpi[torch]')",
+                    allow_module_level=True)
+    return torch

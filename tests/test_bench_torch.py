@@ -6,18 +6,10 @@ is not 1 (run_tests.sh sets it).
     pytest -q tests/test_bench_torch.py
 """
 import json
-import os
 
-import pytest
+from mpi_helpers import need_torch
 
-try:
-    import torch  # noqa: F401
-except ImportError:
-    if os.environ.get("EQUARX_MPI_TORCH") == "1":
-        raise
-    pytest.skip("torch is not installed (pip install 'equarx_mpi[torch]')",
-                allow_module_level=True)
-
+need_torch()
 from test_bench import bench_run, table  # noqa: E402
 
 from equarx_mpi.bench import torchdist  # noqa: E402

@@ -10,16 +10,9 @@ import sys
 
 import pytest
 from mpi4py import MPI
+from mpi_helpers import everywhere, need_torch, raises_everywhere
 
-try:
-    import torch  # noqa: F401
-except ImportError:
-    if os.environ.get("EQUARX_MPI_TORCH") == "1":
-        raise
-    pytest.skip("torch is not installed (pip install 'equarx_mpi[torch]')",
-                allow_module_level=True)
-
-from mpi_helpers import everywhere, raises_everywhere  # noqa: E402
+need_torch()
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "examples"))

@@ -16,23 +16,15 @@ against DDP on gloo, under mpirun.
 Skips (at collection) only where torch is missing and EQUARX_MPI_TORCH is
 not 1 (run_tests.sh sets it).
 """
-import os
 
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_helpers import everywhere, need_torch, raises_everywhere
 
-try:
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-except ImportError:
-    if os.environ.get("EQUARX_MPI_TORCH") == "1":
-        raise
-    pytest.skip("torch is not installed (pip install 'equarx_mpi[torch]')",
-                allow_module_level=True)
-
-from mpi_helpers import everywhere, raises_everywhere  # noqa: E402
+torch = need_torch()
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import equarx_mpi.torch as eqt  # noqa: E402
 
