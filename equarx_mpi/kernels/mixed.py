@@ -173,18 +173,6 @@ def choose(a, lo, hi, room, u, eta):
 
 
 @njit(inline='always', **CACHE)
-def _spread(vals, off, m):
-    """max |x_j - x_{j-1}| over the block (accumulation type, as float64):
-    what DELTA's estimate needs.  A maximum of abs_bits: unsigned integers
-    vectorize where a float maximum (NaN rules) does not, 5x faster."""
-    zero = as_acc(vals, 0)
-    d = abs_bits(zero)
-    for j in range(1, m):
-        d = max(d, abs_bits(vals[_U(off + j)] - vals[_U(off + j - 1)]))
-    return np.float64(from_abs_bits(d, zero))
-
-
-@njit(inline='always', **CACHE)
 def _stats(vals, off, m):
     """(largest magnitude bits, min key, max key) of vals[off:off+m] under
     IEEE total order (common.order_key)."""
@@ -243,7 +231,7 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
         hi = np.float64(from_order_key(kmax, zero))
         tag = choose(a, lo, hi, room, u, eta)
         s = delta.step(a, room, u, eta, acc) if predict else 0.0
-        if s > 0 and (delta.estimate(_spread(vals, off, m), s, m) + delta.HEADS * asz
+        if s > 0 and (delta.estimate(delta.spread(vals, off, m), s, m) + delta.HEADS * asz
                       + m * delta.SAVE <= pay_bytes(tag, m, asz) + n_heads(tag) * asz):
             size = delta.emit(vals, off, m, s, a, heads, nh, u8, pay, qs)
             return (DELTA, delta.bound(np.float64(heads[nh]), a, u, eta), pay + size,
