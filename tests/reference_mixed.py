@@ -162,7 +162,7 @@ def encode_block(v, room):
         lo = float(from_order_key(keys.min(), v.dtype))
         hi = float(from_order_key(keys.max(), v.dtype))
         tag = choose(float(a), lo, hi, room, u, eta)
-        s = step(float(a), room, u, eta, v.dtype)
+        s = step(float(a), room, u, eta, v.dtype) if v.size >= GROUP else 0.0
         asz = v.dtype.itemsize
         with np.errstate(over="ignore"):        # as the kernel: Inf compares as such
             spread = float(np.abs(np.diff(v)).max()) if v.size > 1 else 0.0

@@ -20,8 +20,11 @@ for float32, 53 for float64), so q_0 is an exact integer of A, |d_j| <
 2^(p+1) and z_j < 2^(p+2) (w <= 55 bits).  Payload: one width byte per
 group of 32 values, then each group's z_j in w bits, least significant
 first, in little-endian 32-bit words (a full group takes w words, a short
-one of c values ceil(c w / 32)), padded to 8.  Never longer than the raw
-block but for blocks of 1 to 3 values, whose 8-byte padding covers it.
+one of c values ceil(c w / 32)), padded to 8.  Only blocks of m >= 32
+values go DELTA (mixed.emit_block): their payload, at most 5 ceil(m/32) +
+m (p + 2) / 8 bytes, is then shorter than RAW's m p_A / 8 (3.4m against
+4m for float32, 7.0m against 8m for float64), so the buffers sized for
+RAW hold it.
 
 Bound (u, eta of A; u64 = 2^-53): with r = fl64(1/s) = (1/s)(1+d1) and
 t = fl64(x r) = (x/s)(1+d1)(1+d2) (+ 2^-1075 if t is subnormal), |q - x/s|

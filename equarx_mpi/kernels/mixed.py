@@ -230,7 +230,9 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
         lo = np.float64(from_order_key(kmin, zero))
         hi = np.float64(from_order_key(kmax, zero))
         tag = choose(a, lo, hi, room, u, eta)
-        s = delta.step(a, room, u, eta, acc) if predict else 0.0
+        # DELTA only for blocks of a whole group or more: its payload is then
+        # never longer than RAW's, which the receive buffers are sized for
+        s = delta.step(a, room, u, eta, acc) if predict and m >= delta.GROUP else 0.0
         if s > 0 and (delta.estimate(delta.spread(vals, off, m), s, m) + delta.HEADS * asz
                       + m * delta.SAVE <= pay_bytes(tag, m, asz) + n_heads(tag) * asz):
             size = delta.emit(vals, off, m, s, a, heads, nh, u8, pay, qs)
