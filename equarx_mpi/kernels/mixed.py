@@ -230,11 +230,16 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
         lo = np.float64(from_order_key(kmin, zero))
         hi = np.float64(from_order_key(kmax, zero))
         tag = choose(a, lo, hi, room, u, eta)
-        # DELTA only for blocks of a whole group or more: its payload is then
-        # never longer than RAW's, which the receive buffers are sized for
-        s = delta.step(a, room, u, eta, acc) if predict and m >= delta.GROUP else 0.0
+        # DELTA only for a whole group or more (its payload then fits RAW's
+        # room) and where it could save SAVE bytes per value (its estimate
+        # is a byte per group or more): int8 and int4 blocks skip it all
+        fixed = pay_bytes(tag, m, asz) + n_heads(tag) * asz
+        least = (m + delta.GROUP - 1) // delta.GROUP + delta.HEADS * asz + m * delta.SAVE
+        s = 0.0
+        if predict and m >= delta.GROUP and least <= fixed:
+            s = delta.step(a, room, u, eta, acc)
         if s > 0 and (delta.estimate(delta.spread(vals, off, m), s, m) + delta.HEADS * asz
-                      + m * delta.SAVE <= pay_bytes(tag, m, asz) + n_heads(tag) * asz):
+                      + m * delta.SAVE <= fixed):
             size = delta.emit(vals, off, m, s, a, heads, nh, u8, pay, qs)
             return (DELTA, delta.bound(np.float64(heads[nh]), a, u, eta), pay + size,
                     nh + delta.HEADS)
