@@ -29,7 +29,8 @@ COMMANDS = {
             "under mpirun; `shm kernels`: its reduction kernels, one process"),
     "tolerance": ("equarx_mpi.bench.tolerance", "main",
                   "the error-bounded mode (abs_tol) against int8 two-shot at the same\n"
-                  "error, under mpirun"),
+                  "error, on smooth 2-D and 3-D fields, pressure and Gaussian data, with\n"
+                  "bytes per value, under mpirun"),
     "calls": ("equarx_mpi.bench.calls", "main",
               "per-call cost of small Allreduces through wrap() and QuantizedComm\n"
               "against mpi4py's own, under mpirun (issue 20's targets, PASS/MISS)"),
