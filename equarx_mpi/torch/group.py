@@ -237,16 +237,23 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1] if works else Work([])
 
+    def _per_rank(self, what, lists, mine, out):
+        """The root's error, or None, for gather's output lists or scatter's
+        input lists: one tensor per rank, each of the kind of ``mine``'s."""
+        err = check(what, [t for lst in lists for t in lst], out=out)
+        for lst, t in zip(lists, mine):
+            err = err or (None if len(lst) == self._size else ValueError(
+                f"equarx: {what}: {len(lst)} {'output' if out else 'input'} tensors, not the "
+                f"group's {self._size}"))
+            err = err or same_kind(what, lst, t)
+        return err
+
     def gather(self, output_lists, inputs, opts=None):
         inputs = _listed(inputs)
         root = getattr(opts, "rootRank", 0)
         err = check("gather", inputs) or self._bad_root("gather", root)
         if err is None and self.rank() == root:
-            err = check("gather", [o for lst in output_lists for o in lst], out=True)
-            for lst, t in zip(output_lists, inputs):
-                err = err or (None if len(lst) == self._size else ValueError(
-                    f"equarx: gather: {len(lst)} output tensors, not the group's {self._size}"))
-                err = err or same_kind("gather", lst, t)
+            err = self._per_rank("gather", output_lists, inputs, out=True)
         self._agree("gather", [("root", root)] + _fields(inputs), err)
         return self._go(opts, lambda: calls.gather(self._data, output_lists, inputs, root),
                         output_lists)
@@ -256,11 +263,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         root = getattr(opts, "rootRank", 0)
         err = check("scatter", outputs, out=True) or self._bad_root("scatter", root)
         if err is None and self.rank() == root:
-            err = check("scatter", [x for lst in input_lists for x in lst])
-            for o, lst in zip(outputs, input_lists):
-                err = err or (None if len(lst) == self._size else ValueError(
-                    f"equarx: scatter: {len(lst)} input tensors, not the group's {self._size}"))
-                err = err or same_kind("scatter", lst, o)
+            err = self._per_rank("scatter", input_lists, outputs, out=False)
         self._agree("scatter", [("root", root)] + _fields(outputs), err)
         return self._go(opts, lambda: calls.scatter(self._data, outputs, input_lists, root),
                         outputs)
