@@ -40,7 +40,8 @@ hierarchical calls raise ValueError.
 import ml_dtypes
 import numpy as np
 
-from equarx_mpi.names import QUANTIZED_DTYPES, VALUE_DTYPE, acc_dtype
+from equarx_mpi.kernels.gap import max_finite_gap
+from equarx_mpi.names import QUANTIZED_DTYPES, VALUE_DTYPE, acc_dtype, kernel_view
 from equarx_mpi.wire.streams import address
 
 #: the numpy type of each 16-bit kernel element type
@@ -125,10 +126,8 @@ class ErrorFeedback:
         """A bound on how far this call's input (``begin``) is from own, over
         the finite values: the certified bound adds it, so it still holds
         against the caller's values."""
-        with np.errstate(invalid="ignore"):                  # Inf - Inf: left out
-            d = np.abs(self._adj.astype(np.float64) - own.astype(np.float64))
-        d = d[np.isfinite(d)]
-        return float(d.max()) * (1 + 2.0 ** -50) if d.size else 0.0
+        gap = max_finite_gap(kernel_view(self._adj, False), kernel_view(own, False))
+        return float(gap) * (1 + 2.0 ** -50)
 
     def format(self, fmt, own, out):
         """The call's wire format, noting each quantization's loss; own and

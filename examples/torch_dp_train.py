@@ -34,6 +34,11 @@ one epoch each in turn, so a busy machine slows them alike.  Methods:
                 indexes them as NCCL's stacked tensor and fails on gloo with
                 "IndexError: too many indices for tensor of dimension 2"); one
                 bucket, as powersgd
+  local         DDP on gloo with a hook that returns each rank's own bucket:
+                no communication, so its step is the compute every method
+                shares (forward, backward, DDP's copies, the optimizer), the
+                floor under every other step time (its accuracy: rank 0's
+                model, trained on its quarter of each batch alone)
 
 Needs torch (pip install 'equarx_mpi[torch]') and scikit-learn.
 """
@@ -65,7 +70,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dp_digits import load_data as digits  # noqa: E402
 
 METHODS = ("gloo", "equarx-exact", "equarx-int8", "hook", "hook-ef", "bf16-hook", "powersgd",
-           "perchannel")
+           "perchannel", "local")
 WIDTH = 3072
 BATCH = 64
 
@@ -111,6 +116,13 @@ def perchannel_hook(process_group, bucket, bucket_size=512):
     return fut.then(quantize_and_allgather).then(dequantize_and_aggregate)
 
 
+def local_hook(_, bucket):
+    """This rank's own gradient, at once: no communication."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def make_model(width=WIDTH, seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(),
@@ -150,6 +162,8 @@ class Trainer:
             ddp.register_comm_hook(self.state, psgd.powerSGD_hook)
         elif name == "perchannel":
             ddp.register_comm_hook(groups["gloo"], perchannel_hook)
+        elif name == "local":
+            ddp.register_comm_hook(None, local_hook)
         self.model = ddp
         self.opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
         self.steps, self.seconds, self.curve = [], 0.0, []
@@ -235,7 +249,7 @@ def main(argv=None):
             f"{r['accuracy']:8.3f} {r['loss']:8.4f} {r['path']:>12}")
     say("# step(ms): median over the steps but the first of each rank's slowest time; "
         "to X(s): training time (steps only) until the test accuracy first reached X, "
-        "checked after each epoch")
+        "checked after each epoch; path: the step's last bucket's")
     if rank == 0 and a.json:
         with open(a.json, "w") as f:
             json.dump({"ranks": size, "params": params, "epochs": a.epochs, "target": a.target,

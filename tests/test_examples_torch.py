@@ -40,6 +40,8 @@ def test_every_dp_method_trains_alike():
         # channels) near its accuracy
         if m in EXACT:
             close = abs(r["loss"] - gloo["loss"]) <= (1e-4 if P <= 2 else 0.05)
+        elif m == "local":      # no communication: each rank trains on its share alone
+            close = r["accuracy"] > 0.5
         else:
             close = abs(r["accuracy"] - gloo["accuracy"]) <= 0.05
         everywhere(close, f"{m}: loss {r['loss']} accuracy {r['accuracy']} vs gloo's "

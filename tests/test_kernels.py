@@ -341,3 +341,20 @@ def test_rounding_to_nearest_has_its_own_int8_kernels():
     assert any(str(s[8]) == "none" for s in int8._decode_reduce_encode.signatures)
     np.testing.assert_array_equal(outs[0][0], outs[1][0])
     np.testing.assert_array_equal(outs[0][1], outs[1][1])
+
+
+# --- error feedback's bound on how far its input moved ------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_max_finite_gap_is_numpys_float64_one(dtype):
+    """kernels.gap against the float64 numpy it replaced, on the type's
+    limits: Inf - Inf, NaN and overflowing differences left out."""
+    from equarx_mpi.kernels.gap import max_finite_gap
+    rng = np.random.default_rng(7)
+    for name, x in cases(dtype, rng):
+        a = np.asarray(x).astype(dtype)
+        for b in (a[::-1].copy(), np.zeros_like(a), -a, np.full_like(a, np.inf)):
+            with np.errstate(invalid="ignore", over="ignore"):
+                d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+            d = d[np.isfinite(d)]
+            want = float(d.max()) if d.size else 0.0
+            assert max_finite_gap(ro(a), ro(b)) == want, name
