@@ -9,8 +9,6 @@ import os
 import sys
 import time
 
-for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(name, "1")
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -22,7 +20,7 @@ import equarx_mpi.torch  # noqa: F401 - registers "equarx"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from torch_dp_train import make_model  # noqa: E402
 
-torch.set_num_threads(1)
+torch.set_num_threads(1)     # one thread a rank, as the example runs
 comm = MPI.COMM_WORLD
 dist.init_process_group("equarx")
 
