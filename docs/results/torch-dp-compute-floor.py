@@ -1,5 +1,5 @@
-"""The DP example's step with no communication (a hook that returns the
-rank's own bucket): the compute every method of examples/torch_dp_train.py
+"""The DP example's step with no communication (its `local` method's hook,
+which returns the rank's own bucket): the compute every method of examples/torch_dp_train.py
 pays, by how many ranks share the machine's cores.  16 samples per rank a
 step (the example's global batch 64 over 4 ranks) whatever the rank count.
 
@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+import threadpoolctl
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -18,21 +19,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import equarx_mpi.torch  # noqa: F401 - registers "equarx"
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
-from torch_dp_train import make_model  # noqa: E402
+from torch_dp_train import local_hook, make_model  # noqa: E402
 
 torch.set_num_threads(1)     # one thread a rank, as the example runs
+threadpoolctl.threadpool_limits(1)
 comm = MPI.COMM_WORLD
 dist.init_process_group("equarx")
 
 
-def own(state, bucket):
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
-
-
 model = DDP(make_model())
-model.register_comm_hook(None, own)
+model.register_comm_hook(None, local_hook)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
 parts = {"forward+backward": [], "optimizer": [], "step": []}
