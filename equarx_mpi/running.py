@@ -11,6 +11,7 @@ from equarx_mpi.bounds import bound
 from equarx_mpi.call import plan
 from equarx_mpi.call.records import CallInfo, uncompressed_bytes
 from equarx_mpi.collectives import exact
+from equarx_mpi.collectives.counting import in_background
 from equarx_mpi.collectives.engine import Engine
 from equarx_mpi.names import between_nodes
 
@@ -38,7 +39,7 @@ class Running:
         t0 = time.perf_counter()
         comms = (self._comm,) + ((self._hierarchy()[0].inter,)
                                  if c.method == "hierarchical" else ())
-        sent0, polite = sum(m.sent for m in comms), self._exec.in_thread()
+        sent0, polite = sum(m.sent for m in comms), in_background()
         for m in comms:
             m.polite = polite
         fixed, err, rec = _RUN[c.method](self, c, e_own)

@@ -47,6 +47,8 @@ import weakref
 
 from mpi4py import MPI
 
+from equarx_mpi.collectives.counting import background_thread
+
 #: the error of a call on a freed communicator (QuantizedComm's own text)
 FREED = "equarx_mpi: this QuantizedComm has been freed"
 
@@ -82,15 +84,6 @@ class Executor:
         self.closed = False
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
-    @property
-    def pending(self):
-        """Calls queued or running."""
-        return self._pending
-
-    def in_thread(self):
-        """Whether the caller is the progress thread."""
-        return self._thread is not None and threading.current_thread() is self._thread
-
     def run(self, fn, arg):
         """Run fn(arg) here, after everything queued before it."""
         self.drain()
@@ -107,9 +100,7 @@ class Executor:
             return req
         with self._cv:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name="equarx_mpi progress")
-                self._thread.start()
+                self._thread = background_thread(self._loop, "equarx_mpi progress")
                 # queued calls finish before mpi4py's own exit handler
                 # (registered earlier, run later) finalizes MPI
                 ref = weakref.ref(self)

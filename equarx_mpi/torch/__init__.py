@@ -52,12 +52,14 @@ def _create(dist_opts, pg_options):
                         f"{type(pg_options).__name__}")
     comm = rendezvous.group_comm(list(dist_opts.global_ranks_in_group), dist_opts.group_rank,
                                  dist_opts.group_size)
-    return ProcessGroupEquarx(comm, pg_options or {})
+    return ProcessGroupEquarx(comm, pg_options or {}, getattr(dist_opts, "timeout", None))
 
 
 def _group(group):
     """The equarx group ``group`` stands for (None: the default group)."""
     pg = dist.group.WORLD if group is None else group
+    if pg is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("equarx: this rank is not a member of that process group")
     if pg is None:
         raise RuntimeError("equarx: no default process group: call "
                            "dist.init_process_group('equarx') first")

@@ -4,11 +4,15 @@ dtype, element counts, root); one tiny MAX-Allreduce of them and their
 negatives tells every rank whether all agree, and only then are the details
 gathered to build one message.  The same door as the library's own
 (equarx_mpi/call/agree.py), over the group's control communicator, in the
-caller's thread, before anything is queued or sent."""
+thread that runs the group's calls in order, before any data is sent.
+Nonblocking, with a deadline: a rank whose peers never make the call raises
+TimeoutError instead of waiting forever."""
 import array
 import zlib
 
 from mpi4py import MPI
+
+from equarx_mpi.torch.work import wait_until
 
 _INT64 = MPI.INT64_T
 
@@ -19,11 +23,12 @@ _INT64 = MPI.INT64_T
 SLOTS = 8
 
 
-def agree(comm, what, fields, err):
+def agree(comm, what, fields, err, deadline=None):
     """Raise on every rank of ``comm`` if some rank has a local error
     ``err`` (an exception, or None) or some (name, value) pair of
     ``fields`` differs between ranks, the collective's name ``what``
-    included; else return None."""
+    included; else return None.  TimeoutError if the other ranks have not
+    all made the call by ``deadline`` (time.monotonic(); None: never)."""
     if comm.Get_size() == 1:
         if err is not None:
             raise err
@@ -35,7 +40,7 @@ def agree(comm, what, fields, err):
     a = array.array("q", values)
     a.extend(-v for v in values)
     a.append(err is not None)
-    comm.Allreduce(MPI.IN_PLACE, [a, _INT64], MPI.MAX)
+    _wait(comm.Iallreduce(MPI.IN_PLACE, [a, _INT64], MPI.MAX), deadline)
     # MAX(v) == v and MAX(-v) == -v on every rank exactly when all are equal
     if not a[-1] and a[:SLOTS].tolist() == values and \
             [-x for x in a[SLOTS:2 * SLOTS]] == values:
@@ -43,6 +48,30 @@ def agree(comm, what, fields, err):
     everyone = comm.allgather((None if err is None else (type(err).__name__, str(err)),
                                [(n, v if type(v) is int else str(v)) for n, v in fields]))
     raise agreed(what, everyone)
+
+
+def pairwise(comm, what, send, expect, deadline=None):
+    """After ``agree``: raise on every rank unless what each rank sends
+    each other (``send[j]`` elements to rank j) is what that rank expects
+    (``expect[r]`` from rank r)."""
+    theirs = array.array("q", [0] * len(send))
+    _wait(comm.Ialltoall([array.array("q", send), _INT64], [theirs, _INT64]), deadline)
+    bad = [j for j in range(len(send)) if theirs[j] != expect[j]]
+    err = None if not bad else ValueError(
+        f"equarx: {what}: rank {comm.Get_rank()} expects {[expect[j] for j in bad]} elements "
+        f"from rank(s) {bad}, which send {[theirs[j] for j in bad]}")
+    agree(comm, what, [], err, deadline)
+
+
+#: requests of agreements that timed out: still active, so MPI may still
+#: write their buffers (the request keeps them), never released
+_STUCK = []
+
+
+def _wait(req, deadline):
+    if not wait_until(req, deadline):
+        _STUCK.append(req)
+        raise TimeoutError("not every rank of the group made the call in time")
 
 
 def _code(value):
@@ -68,6 +97,7 @@ def agreed(what, everyone):
             if len({s[0] if s else None for s in seen}) > 1 or name == "collective":
                 return ValueError(f"equarx: the ranks made different calls: "
                                   f"{dict(enumerate(f[0][1] for _, f in everyone))}")
-            return ValueError(f"equarx: {what}: the ranks passed different {name}: "
-                              f"{dict(enumerate(s[1] for s in seen))}")
+            cls = TypeError if name == "dtype" else ValueError
+            return cls(f"equarx: {what}: the ranks passed different {name}: "
+                       f"{dict(enumerate(s[1] for s in seen))}")
     return RuntimeError(f"equarx: {what}: the ranks disagree")    # a hash collision only

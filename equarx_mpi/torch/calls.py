@@ -4,8 +4,10 @@ checks.  Reductions whose policy may quantize (all_reduce and
 reduce_scatter: QuantizedComm's Allreduce and Reduce_scatter_block) go
 through the group's QuantizedComm; everything else is MPI's own, exact, on
 the group's data communicator: reduce with MPI's Reduce, the rest moves
-bytes.  A contiguous copy is made here, when the call runs, not when it is
-queued: an earlier queued call may still be writing the tensor."""
+bytes, in messages of any size (MPI's counts are C ints: above 2 GiB the
+bytes go as one derived datatype).  A contiguous copy is made here, when
+the call runs, not when it is queued: an earlier queued call may still be
+writing the tensor."""
 import contextlib
 
 import numpy as np
@@ -22,28 +24,51 @@ def _exactly(qc, exact):
 
 
 def _average(c, size):
-    c.detach().div_(size)
+    """The sum c divided by the group's size; integers as NCCL does (an
+    integer division, rounded toward zero), exactly."""
+    if c.is_floating_point() or c.is_complex():
+        c.detach().div_(size)
+    else:
+        c.detach().div_(size, rounding_mode="trunc")
 
 
 # --- through QuantizedComm: lossy where its policy says it pays -------------------
 def allreduce(qc, size, tensors, op, exact):
-    for t in tensors:
-        with stage(t) as c, _exactly(qc, exact):
-            qc.Allreduce(_IN_PLACE, array(c), mpi_op(op, t.dtype))
-        if op == AVG:
-            _average(t, size)
+    """Several tensors (all_reduce_coalesced, one dtype) are reduced as one
+    buffer, as gloo does: a tensor passed twice is summed once."""
+    if len(tensors) == 1:
+        t = tensors[0]
+    else:
+        t = torch.cat([x.detach().reshape(-1) for x in tensors])
+    with stage(t) as c, _exactly(qc, exact):
+        qc.Allreduce(_IN_PLACE, array(c), mpi_op(op, t.dtype))
+    if op == AVG:
+        _average(t, size)
+    if len(tensors) > 1:
+        at = 0
+        with torch.no_grad():
+            for x in tensors:
+                x.copy_(t[at:at + x.numel()].view(x.shape))
+                at += x.numel()
 
 
 def reduce_scatter(qc, size, out, inp, op, exact):
     """out (m values) = op over the ranks of block ``rank`` of inp (P m
-    values; a tensor, or a list of P tensors of m values each)."""
+    values; a tensor, or a list of P tensors of m values each).  out may
+    be a part of inp (ZeRO's and Megatron's in-place pattern): the result
+    then goes through a buffer of its own."""
     if isinstance(inp, (list, tuple)):
         inp = torch.cat([x.detach().reshape(-1) for x in inp])
     src = contiguous(inp)
-    with stage(out, read=False) as c, _exactly(qc, exact):
+    shared = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+    target = torch.empty_like(out, memory_format=torch.contiguous_format) if shared else out
+    with stage(target, read=False) as c, _exactly(qc, exact):
         qc.Reduce_scatter_block(array(src), array(c), mpi_op(op, out.dtype))
     if op == AVG:
-        _average(out, size)
+        _average(target, size)
+    if shared:
+        with torch.no_grad():
+            out.copy_(target)
 
 
 # --- MPI's own, exact -------------------------------------------------------------
@@ -65,13 +90,36 @@ def reduce(comm, tensors, op, root):
             _average(t, comm.Get_size())
 
 
+#: the most bytes one message of MPI.BYTE may count (a C int)
+INT_MAX = 2**31 - 1
+_CHUNK = 1 << 30
+
+
+@contextlib.contextmanager
+def _bytes(n):
+    """(count, datatype) for n bytes: n MPI.BYTE while n fits a C int, else
+    one datatype of n bytes (blocks of 1 GiB and the rest)."""
+    if n <= INT_MAX:
+        yield n, MPI.BYTE
+        return
+    q, r = divmod(n, _CHUNK)
+    block = MPI.BYTE.Create_contiguous(_CHUNK)
+    t = MPI.Datatype.Create_struct([q, r], [0, q * _CHUNK], [block, MPI.BYTE]).Commit()
+    block.Free()
+    try:
+        yield 1, t
+    finally:
+        t.Free()        # (a pending send or receive keeps what it needs)
+
+
+def _msg(buf, n, kind):
+    return [buf, n, kind]
+
+
 def broadcast(comm, tensors, root):
     for t in tensors:
-        if comm.Get_rank() == root:
-            comm.Bcast(raw(contiguous(t)), root)
-        else:
-            with stage(t, read=False) as c:
-                comm.Bcast(raw(c), root)
+        with stage(t, read=comm.Get_rank() == root) as c, _bytes(c.nbytes) as (n, kind):
+            comm.Bcast(_msg(raw(c), n, kind), root)
 
 
 def _scatter_out(buf, outs):
@@ -79,8 +127,9 @@ def _scatter_out(buf, outs):
     at = 0
     for o in outs:
         n = o.numel() * o.element_size()
-        with torch.no_grad():
-            o.copy_(from_bytes(buf[at:at + n], o))
+        if n:
+            with torch.no_grad():
+                o.copy_(from_bytes(buf[at:at + n], o))
         at += n
 
 
@@ -88,15 +137,16 @@ def allgather(comm, out_lists, ins):
     for outs, t in zip(out_lists, ins):
         src = raw(contiguous(t))
         buf = np.empty(src.size * comm.Get_size(), np.uint8)
-        comm.Allgather(src, buf)
+        with _bytes(src.size) as (n, kind):
+            comm.Allgather(_msg(src, n, kind), _msg(buf, n, kind))
         _scatter_out(buf, outs)
 
 
 def allgather_base(comm, out, inp):
     """all_gather_into_tensor: out holds P times inp's elements."""
     src = raw(contiguous(inp))
-    with stage(out, read=False) as c:
-        comm.Allgather(src, raw(c))
+    with stage(out, read=False) as c, _bytes(src.size) as (n, kind):
+        comm.Allgather(_msg(src, n, kind), _msg(raw(c), n, kind))
 
 
 def gather(comm, out_lists, ins, root):
@@ -104,7 +154,8 @@ def gather(comm, out_lists, ins, root):
     for i, t in enumerate(ins):
         src = raw(contiguous(t))
         buf = np.empty(src.size * comm.Get_size(), np.uint8) if mine else None
-        comm.Gather(src, buf, root)
+        with _bytes(src.size) as (n, kind):
+            comm.Gather(_msg(src, n, kind), _msg(buf, n, kind) if mine else None, root)
         if mine:
             _scatter_out(buf, out_lists[i])
 
@@ -116,15 +167,26 @@ def scatter(comm, outs, in_lists, root):
         if mine:
             buf = raw(torch.cat([contiguous(x).detach().reshape(-1).view(torch.uint8)
                                  for x in in_lists[i]]))
-        with stage(o, read=False) as c:
-            comm.Scatter(buf, raw(c), root)
+        with stage(o, read=False) as c, _bytes(c.nbytes) as (n, kind):
+            comm.Scatter(_msg(buf, n, kind) if mine else None, _msg(raw(c), n, kind), root)
 
 
 def _alltoallv(comm, send, scounts, recv, rcounts):
     sd = np.concatenate(([0], np.cumsum(scounts)[:-1])).astype(np.int64)
     rd = np.concatenate(([0], np.cumsum(rcounts)[:-1])).astype(np.int64)
-    comm.Alltoallv([send, (list(scounts), sd.tolist()), MPI.BYTE],
-                   [recv, (list(rcounts), rd.tolist()), MPI.BYTE])
+    if max(send.size, recv.size) <= INT_MAX:
+        comm.Alltoallv([send, (list(scounts), sd.tolist()), MPI.BYTE],
+                       [recv, (list(rcounts), rd.tolist()), MPI.BYTE])
+        return
+    # displacements past a C int: one message per pair of ranks
+    reqs = []
+    with contextlib.ExitStack() as stack:
+        for j in range(comm.Get_size()):
+            for buf, at, k, post in ((recv, rd[j], rcounts[j], comm.Irecv),
+                                     (send, sd[j], scounts[j], comm.Isend)):
+                n, kind = stack.enter_context(_bytes(int(k)))
+                reqs.append(post(_msg(buf[at:at + k], n, kind), j, 0))
+        MPI.Request.Waitall(reqs)
 
 
 def alltoall(comm, outs, ins):
@@ -156,11 +218,13 @@ def barrier(comm):
 def send(comm, t, dst, tag):
     """An Isend of t's bytes; returns (request, the buffer to keep alive)."""
     src = raw(contiguous(t))
-    return comm.Isend(src, dst, tag), src
+    with _bytes(src.size) as (n, kind):
+        return comm.Isend(_msg(src, n, kind), dst, tag), src
 
 
 def recv(comm, t, src, tag):
     """An Irecv into t; returns (request, what to run once it has arrived)."""
     s = stage(t, read=False)
-    req = comm.Irecv(raw(s.c), src, tag)
+    with _bytes(s.c.nbytes) as (n, kind):
+        req = comm.Irecv(_msg(raw(s.c), n, kind), src, tag)
     return req, lambda: s.__exit__(None, None, None)

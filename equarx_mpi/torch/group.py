@@ -12,22 +12,33 @@ registered; torch builds the group through ``Backend.register_backend``'s
 creator returning the group itself (what torch's own threaded test group
 and torchft's groups do).
 
-Every collective checks its tensors where it is called, agrees across
-ranks (agree.py: the same error everywhere, or none) and then runs
-(work.py: now, or queued for ``async_op=True``).  all_reduce and
+Every collective checks its tensors where it is called, then, in the
+thread that runs it (work.py: the caller's for a call waited at once, the
+group's queue for ``async_op=True``), agrees across ranks (agree.py: the
+same error everywhere, or none; within the group's timeout) and runs.  all_reduce and
 reduce_scatter go through the group's QuantizedComm, the rest is MPI's
 own (calls.py).  Point-to-point calls are MPI's nonblocking ones, checked
 locally (one rank's error is its own).
 """
+
+import time
 
 import torch.distributed as dist
 from mpi4py import MPI
 
 from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.torch import calls
-from equarx_mpi.torch.agree import agree
-from equarx_mpi.torch.tensors import check, check_reduce, red_op, same_kind
-from equarx_mpi.torch.work import Executor, P2PWork, Work
+from equarx_mpi.torch.agree import agree, pairwise
+from equarx_mpi.torch.tensors import (
+    bad_root,
+    check,
+    check_reduce,
+    per_rank,
+    red_op,
+    same_kind,
+    splits,
+)
+from equarx_mpi.torch.work import KEPT, Executor, P2PWork, Work, free_soon
 
 #: depth of ``equarx_mpi.torch.exact()`` blocks (every group and hook)
 EXACT = [0]
@@ -47,23 +58,27 @@ def _fields(tensors):
 
 class ProcessGroupEquarx(dist.ProcessGroup):
     """A torch process group over an MPI communicator (``comm``, whose
-    ranks are the group's, in order); ``options``: QuantizedComm's."""
+    ranks are the group's, in order); ``options``: QuantizedComm's;
+    ``timeout`` (a timedelta, or None): how long a call waits for the
+    other ranks to make it (init_process_group's and new_group's)."""
 
-    def __init__(self, comm, options):
+    def __init__(self, comm, options, timeout=None):
         # (rank, size): torch's (store, rank, size) constructor makes no
         # Python subclass; the store is torch's to keep (gloo groups use it)
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._base = comm
         self._options = dict(options)
-        self._data = comm.Dup()         # exact collectives, in the caller or the queue
-        self._ctl = comm.Dup()          # agreements of calls made by the program
-        # ... and of calls made by callbacks in the queue's thread (a future's
-        # then()): two threads never share a communicator's collectives
-        self._ctl_q = comm.Dup()
+        # agreements, then the exact collectives: always in the thread that
+        # runs the group's calls in order (never two at once)
+        self._ctl = comm.Dup()
+        self._data = comm.Dup()
         self._p2p = comm.Dup()          # send/recv, never queued
         self._qc = QuantizedComm(comm, **self._options)   # (its excepthook aborts the job)
         self._exec = Executor()
         self._size = comm.Get_size()
+        self._timeout = timeout if timeout and timeout.total_seconds() > 0 else None
+        self._broken = None             # why calls cannot run any more (a timeout)
+        self._inflight = []             # sends and receives MPI may still be using
         self.exact_depth = 0
 
     # --- plumbing -------------------------------------------------------------------
@@ -89,14 +104,52 @@ class ProcessGroupEquarx(dist.ProcessGroup):
     @property
     def qcomm(self):
         """The QuantizedComm behind all_reduce and reduce_scatter."""
+        self._usable()
+        return self._qc
+
+    def _usable(self):
         if self._qc is None:
             raise RuntimeError("equarx: this process group has been shut down")
-        return self._qc
+        if self._broken is not None:
+            raise dist.DistBackendError(self._broken)
 
     def _exact_now(self):
         """Whether a call made now must be exact (decided when it is made:
         a queued call runs after the caller may have left ``exact()``)."""
         return EXACT[0] > 0 or self.exact_depth > 0
+
+    def _call(self, opts, what, fields, err, fn, result, counts=None):
+        """Agree on the call (``fields``, the local error ``err``; ``counts``:
+        the elements (sent, expected) to and from each rank), then fn(): now,
+        or queued if the caller waits later; a Work.  With the option
+        check=False, as MPI itself: a local error is raised here only, and
+        calls that differ between ranks are not caught."""
+        self._usable()
+        if not self._qc.options["check"]:
+            if err is not None:
+                raise err
+            return self._go(opts, fn, result)
+
+        def agreed_then_run():
+            self._usable()
+            deadline = self._deadline()
+            try:
+                agree(self._ctl, what, fields, err, deadline)
+                if counts is not None:
+                    pairwise(self._ctl, what, *counts, deadline)
+            except TimeoutError:
+                self._broken = (
+                    f"equarx: {what} on process group {self._name!r}: Timed out after "
+                    f"{self._timeout} waiting for the other ranks of the group to make the same "
+                    f"call; MPI cannot cancel a collective, so the group cannot be used any "
+                    f"more: destroy it, or end the job")
+                raise dist.DistBackendError(self._broken) from None
+            fn()
+        return self._go(opts, agreed_then_run, result)
+
+    def _deadline(self):
+        return None if self._timeout is None else \
+            time.monotonic() + self._timeout.total_seconds()
 
     def _go(self, opts, fn, result):
         """Run fn now, or queue it if the caller waits later; a Work.  A
@@ -108,22 +161,9 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._exec.run(fn)
         return Work(result)
 
-    def _control(self):
-        return self._ctl_q if self._exec.in_thread() else self._ctl
-
-    def _agree(self, what, fields, err):
-        """The same error on every rank, or none (agree.py); with the
-        option check=False, as MPI itself: a local error is raised here
-        only, and calls that differ between ranks are not caught."""
-        if self._qc is None:
-            raise RuntimeError("equarx: this process group has been shut down")
-        if self._qc.options["check"]:
-            agree(self._control(), what, fields, err)
-        elif err is not None:
-            raise err
-
     def set_options(self, **options):
         """Collective: a new QuantizedComm with these options updated."""
+        self._usable()
         merged = dict(self._options, **options)
         self._exec.drain()
         qc = QuantizedComm(self._base, **merged)      # bad options: raised on every rank
@@ -132,14 +172,27 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         return qc.options
 
     def shutdown(self):
-        """Finish queued calls and free the communicators (destroy_process_group)."""
+        """Finish queued calls and free the communicators
+        (destroy_process_group).  Never waits for the other ranks: their
+        shared-memory windows are freed collectively, so ranks that destroy
+        groups in different orders free them in a thread of their own."""
         if self._qc is None:
             return
         self._exec.close()
-        self._qc.free()
-        self._qc = None
-        for c in (self._data, self._ctl, self._ctl_q, self._p2p, self._base):
-            c.Free()
+        qc, self._qc = self._qc, None
+        self._inflight = [w for w in self._inflight if not w.poll()]
+        if self._broken is not None or self._inflight:
+            # a timed-out agreement is still active on _ctl, or a message
+            # nobody received is still using its buffer: keep them all
+            KEPT.append(self)
+            return
+        comms = (self._ctl, self._data, self._p2p, self._base)
+
+        def free():
+            qc.free()
+            for c in comms:
+                c.Free()
+        free_soon(free, self._exec.threaded)
 
     abort = shutdown
 
@@ -147,10 +200,11 @@ class ProcessGroupEquarx(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         tensors, op = _listed(tensors), red_op(opts) if opts is not None else dist.ReduceOp.SUM
         err = check_reduce("all_reduce", tensors, op)
-        self._agree("all_reduce", [("op", str(op))] + _fields(tensors), err)
+        if err is None and len({t.dtype for t in tensors}) > 1:
+            err = TypeError("equarx: all_reduce_coalesced: tensors of several dtypes mixed")
         qc, exact = self._qc, self._exact_now()
-        return self._go(opts, lambda: calls.allreduce(qc, self._size, tensors, op, exact),
-                        tensors)
+        return self._call(opts, "all_reduce", [("op", str(op))] + _fields(tensors), err,
+                          lambda: calls.allreduce(qc, self._size, tensors, op, exact), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -162,10 +216,11 @@ class ProcessGroupEquarx(dist.ProcessGroup):
             else ValueError(f"equarx: reduce_scatter_tensor: the input must hold {self._size} "
                             f"times the output's {output.numel()} {output.dtype} elements, "
                             f"not {input.numel()} {input.dtype}"))
-        self._agree("reduce_scatter_tensor", [("op", str(op))] + _fields([output, input]), err)
         qc, exact = self._qc, self._exact_now()
-        return self._go(opts, lambda: calls.reduce_scatter(qc, self._size, output, input, op,
-                                                           exact), [output])
+        return self._call(opts, "reduce_scatter_tensor",
+                          [("op", str(op))] + _fields([output, input]), err,
+                          lambda: calls.reduce_scatter(qc, self._size, output, input, op, exact),
+                          [output])
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         outputs, op = _listed(outputs), red_op(opts) if opts is not None else dist.ReduceOp.SUM
@@ -175,13 +230,13 @@ class ProcessGroupEquarx(dist.ProcessGroup):
                         f"{self._size}") for lst in input_lists if len(lst) != self._size), None)
         for o, lst in zip(outputs, input_lists):
             err = err or same_kind("reduce_scatter", lst, o)
-        self._agree("reduce_scatter", [("op", str(op))] + _fields(outputs), err)
         qc, exact = self._qc, self._exact_now()
 
         def run():
             for o, lst in zip(outputs, input_lists):
                 calls.reduce_scatter(qc, self._size, o, lst, op, exact)
-        return self._go(opts, run, outputs)
+        return self._call(opts, "reduce_scatter", [("op", str(op))] + _fields(outputs), err,
+                          run, outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
@@ -190,38 +245,44 @@ class ProcessGroupEquarx(dist.ProcessGroup):
     def reduce(self, tensors, opts=None):
         tensors, op = _listed(tensors), red_op(opts) if opts is not None else dist.ReduceOp.SUM
         root = getattr(opts, "rootRank", 0)
-        err = check_reduce("reduce", tensors, op) or self._bad_root("reduce", root)
-        self._agree("reduce", [("op", str(op)), ("root", root)] + _fields(tensors), err)
-        return self._go(opts, lambda: calls.reduce(self._data, tensors, op, root), tensors)
+        err = check_reduce("reduce", tensors, op) or bad_root(self._size, "reduce", root)
+        return self._call(opts, "reduce", [("op", str(op)), ("root", root)] + _fields(tensors),
+                          err, lambda: calls.reduce(self._data, tensors, op, root), tensors)
 
     # --- data movement: MPI's own ------------------------------------------------------
-    def _bad_root(self, what, root):
-        if 0 <= root < self._size:
-            return None
-        return ValueError(f"equarx: {what}: root {root} is not a rank of this group of "
-                          f"{self._size}")
-
     def broadcast(self, tensors, opts=None):
         tensors = _listed(tensors)
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
-        err = check("broadcast", tensors, out=True) or self._bad_root("broadcast", root)
-        self._agree("broadcast", [("root", root)] + _fields(tensors), err)
-        return self._go(opts, lambda: calls.broadcast(self._data, tensors, root), tensors)
+        err = check("broadcast", tensors, out=True) or bad_root(self._size, "broadcast", root)
+        return self._call(opts, "broadcast", [("root", root)] + _fields(tensors), err,
+                          lambda: calls.broadcast(self._data, tensors, root), tensors)
 
-    def allgather(self, output_lists, inputs, opts=None):
+    def allgather(self, output_lists, inputs, opts=None, result=None):
+        """output_lists[i][r]: input i of rank r."""
         inputs = _listed(inputs)
         err = check("all_gather", inputs) or check(
-            "all_gather", [o for lst in output_lists for o in lst], out=True)
+            "all_gather", [o for lst in output_lists for o in lst], out=True) or (
+            None if len(output_lists) == len(inputs) else ValueError(
+                f"equarx: all_gather: {len(output_lists)} output lists for {len(inputs)} inputs"))
         for lst, t in zip(output_lists, inputs):
             err = err or (None if len(lst) == self._size else ValueError(
                 f"equarx: all_gather: {len(lst)} output tensors, not the group's {self._size}"))
             err = err or same_kind("all_gather", lst, t)
-        self._agree("all_gather", _fields(inputs), err)
-        return self._go(opts, lambda: calls.allgather(self._data, output_lists, inputs),
-                        output_lists)
+        if result is None:      # the future's value, as gloo's: one input's outputs
+            result = output_lists[0] if len(output_lists) == 1 else output_lists
+        return self._call(opts, "all_gather", _fields(inputs), err,
+                          lambda: calls.allgather(self._data, output_lists, inputs), result)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
-        return self.allgather(output_lists, inputs, opts)
+        """output_lists[r][i]: input i of rank r (torch's layout, the
+        transpose of allgather's)."""
+        inputs = _listed(inputs)
+        if len(output_lists) != self._size or any(len(o) != len(inputs) for o in output_lists):
+            err = ValueError(f"equarx: all_gather_coalesced: the outputs must be {self._size} "
+                             f"lists (one per rank) of {len(inputs)} tensors (one per input)")
+            return self._call(opts, "all_gather", _fields(inputs), err, None, [])
+        return self.allgather([[o[i] for o in output_lists] for i in range(len(inputs))],
+                              inputs, opts, result=output_lists)
 
     def _allgather_base(self, output, input, opts=None):
         err = check("all_gather_into_tensor", [input]) or check(
@@ -230,43 +291,33 @@ class ProcessGroupEquarx(dist.ProcessGroup):
             else ValueError(f"equarx: all_gather_into_tensor: the output must hold {self._size} "
                             f"times the input's {input.numel()} {input.dtype} elements, not "
                             f"{output.numel()} {output.dtype}"))
-        self._agree("all_gather_into_tensor", _fields([input]), err)
-        return self._go(opts, lambda: calls.allgather_base(self._data, output, input), [output])
+        return self._call(opts, "all_gather_into_tensor", _fields([input]), err,
+                          lambda: calls.allgather_base(self._data, output, input), [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return works[-1] if works else Work([])
 
-    def _per_rank(self, what, lists, mine, out):
-        """The root's error, or None, for gather's output lists or scatter's
-        input lists: one tensor per rank, each of the kind of ``mine``'s."""
-        err = check(what, [t for lst in lists for t in lst], out=out)
-        for lst, t in zip(lists, mine):
-            err = err or (None if len(lst) == self._size else ValueError(
-                f"equarx: {what}: {len(lst)} {'output' if out else 'input'} tensors, not the "
-                f"group's {self._size}"))
-            err = err or same_kind(what, lst, t)
-        return err
-
     def gather(self, output_lists, inputs, opts=None):
         inputs = _listed(inputs)
         root = getattr(opts, "rootRank", 0)
-        err = check("gather", inputs) or self._bad_root("gather", root)
+        err = check("gather", inputs) or bad_root(self._size, "gather", root)
         if err is None and self.rank() == root:
-            err = self._per_rank("gather", output_lists, inputs, out=True)
-        self._agree("gather", [("root", root)] + _fields(inputs), err)
-        return self._go(opts, lambda: calls.gather(self._data, output_lists, inputs, root),
-                        output_lists)
+            err = per_rank(self._size, "gather", output_lists, inputs, out=True)
+        mine = self.rank() == root
+        # the future's value, as gloo's: the root's outputs, nothing elsewhere
+        result = (output_lists[0] if len(output_lists) == 1 else output_lists) if mine else []
+        return self._call(opts, "gather", [("root", root)] + _fields(inputs), err,
+                          lambda: calls.gather(self._data, output_lists, inputs, root), result)
 
     def scatter(self, outputs, input_lists, opts=None):
         outputs = _listed(outputs)
         root = getattr(opts, "rootRank", 0)
-        err = check("scatter", outputs, out=True) or self._bad_root("scatter", root)
+        err = check("scatter", outputs, out=True) or bad_root(self._size, "scatter", root)
         if err is None and self.rank() == root:
-            err = self._per_rank("scatter", input_lists, outputs, out=False)
-        self._agree("scatter", [("root", root)] + _fields(outputs), err)
-        return self._go(opts, lambda: calls.scatter(self._data, outputs, input_lists, root),
-                        outputs)
+            err = per_rank(self._size, "scatter", input_lists, outputs, out=False)
+        return self._call(opts, "scatter", [("root", root)] + _fields(outputs), err,
+                          lambda: calls.scatter(self._data, outputs, input_lists, root), outputs)
 
     def alltoall(self, outputs, inputs, opts=None):
         err = check("all_to_all", inputs) or check("all_to_all", outputs, out=True)
@@ -275,62 +326,35 @@ class ProcessGroupEquarx(dist.ProcessGroup):
                              f"outputs, not the group's {self._size} of each")
         if err is None and len({t.dtype for t in inputs + outputs}) > 1:
             err = TypeError("equarx: all_to_all: tensors of several dtypes mixed")
-        send = [t.numel() for t in inputs] if err is None else [0] * self._size
-        return self._pairwise("all_to_all", send, [t.numel() for t in outputs] if err is None
-                              else [0] * self._size, err, opts,
-                              lambda: calls.alltoall(self._data, outputs, inputs), outputs)
+        ok = err is None
+        counts = ([t.numel() for t in inputs] if ok else [0] * self._size,
+                  [t.numel() for t in outputs] if ok else [0] * self._size)
+        dtype = str(inputs[0].dtype) if ok and inputs else None
+        return self._call(opts, "all_to_all", [("dtype", dtype)], err,
+                          lambda: calls.alltoall(self._data, outputs, inputs), outputs, counts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         err = check("all_to_all_single", [input]) or check("all_to_all_single", [output],
                                                            out=True)
         send, recv = [0] * self._size, [0] * self._size
         if err is None:
-            send, err = self._splits(input, input_split_sizes, "input")
+            send, err = splits(self._size, input, input_split_sizes, "input")
         if err is None:
-            recv, err = self._splits(output, output_split_sizes, "output")
+            recv, err = splits(self._size, output, output_split_sizes, "output")
         if err is None and input.dtype != output.dtype:
             err = TypeError(f"equarx: all_to_all_single: input {input.dtype}, output "
                             f"{output.dtype}")
         rows = (list(recv), list(send))
         row = (output[0].numel() if output.dim() and output.shape[0] else 0,
                input[0].numel() if input.dim() and input.shape[0] else 0)
-        return self._pairwise(
-            "all_to_all_single", [n * row[1] for n in send], [n * row[0] for n in recv], err,
-            opts, lambda: calls.alltoall_base(self._data, output, input, *rows), [output])
-
-    def _splits(self, t, sizes, name):
-        """(rows per rank, error value) of a split of t along dim 0."""
-        P = self._size
-        if t.dim() == 0:
-            return [0] * P, ValueError(f"equarx: all_to_all_single: a 0-d {name}")
-        if not sizes:
-            if t.shape[0] % P:
-                return [0] * P, ValueError(f"equarx: all_to_all_single: the {name}'s "
-                                           f"{t.shape[0]} rows do not split evenly over {P} ranks")
-            return [t.shape[0] // P] * P, None
-        sizes = [int(s) for s in sizes]
-        if len(sizes) != P or sum(sizes) != t.shape[0] or min(sizes) < 0:
-            return [0] * P, ValueError(f"equarx: all_to_all_single: {name} split sizes "
-                                       f"{sizes} do not split {t.shape[0]} rows over {P} ranks")
-        return sizes, None
-
-    def _pairwise(self, what, send, recv, err, opts, fn, result):
-        """Agree on the call, then that what rank r sends rank j is what j
-        expects from r (an all-to-all of the counts), then run it."""
-        self._agree(what, [], err)
-        if not self._qc.options["check"]:
-            return self._go(opts, fn, result)
-        theirs = self._control().alltoall(send)
-        bad = [j for j in range(self._size) if theirs[j] != recv[j]]
-        err = None if not bad else ValueError(
-            f"equarx: {what}: rank {self.rank()} expects {[recv[j] for j in bad]} elements "
-            f"from rank(s) {bad}, which send {[theirs[j] for j in bad]}")
-        self._agree(what, [], err)
-        return self._go(opts, fn, result)
+        counts = ([n * row[1] for n in send], [n * row[0] for n in recv])
+        return self._call(opts, "all_to_all_single",
+                          [("dtype", str(input.dtype) if err is None else None)], err,
+                          lambda: calls.alltoall_base(self._data, output, input, *rows),
+                          [output], counts)
 
     def barrier(self, opts=None):
-        self._agree("barrier", [], None)
-        return self._go(opts, lambda: calls.barrier(self._data), [])
+        return self._call(opts, "barrier", [], None, lambda: calls.barrier(self._data), [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         raise NotImplementedError("equarx: monitored_barrier is gloo's own; use barrier()")
@@ -351,8 +375,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
             err = ValueError(f"equarx: {what}: tag {tag} is outside MPI's 0..TAG_UB")
         if err is None and len(tensors) != 1:
             err = ValueError(f"equarx: {what} takes one tensor, not {len(tensors)}")
-        if self._qc is None:
-            err = RuntimeError("equarx: this process group has been shut down")
+        self._usable()
         if err is not None:
             raise err
         # not after the queued calls: a peer's matching call may come after
@@ -362,16 +385,23 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         tensors = _listed(tensors)
         self._p2p_check("send", tensors, dst, tag)
         req, keep = calls.send(self._p2p, tensors[0], dst, tag)
-        return P2PWork(tensors, req, keep=(keep,))
+        return self._track(P2PWork(tensors, req, keep=(keep,)))
 
     def recv(self, tensors, src, tag=0):
         tensors = _listed(tensors)
         self._p2p_check("recv", tensors, src, tag)
         req, finish = calls.recv(self._p2p, tensors[0], src, tag)
-        return P2PWork(tensors, req, finish)
+        return self._track(P2PWork(tensors, req, finish))
 
     def recv_anysource(self, tensors, tag=0):
         tensors = _listed(tensors)
         self._p2p_check("recv", tensors, None, tag)
         req, finish = calls.recv(self._p2p, tensors[0], MPI.ANY_SOURCE, tag)
-        return P2PWork(tensors, req, finish)
+        return self._track(P2PWork(tensors, req, finish))
+
+    def _track(self, work):
+        """Keep ``work`` (its tensors, its buffer) until MPI is done with it:
+        the caller may drop it before the message has gone."""
+        self._inflight = [w for w in self._inflight if not w.poll()]
+        self._inflight.append(work)
+        return work

@@ -12,11 +12,22 @@ queue (work.py), so the backward pass goes on meanwhile.  The bucket's
 traffic never touches the DDP group itself.  With ``feedback=True`` each
 bucket keeps an ``equarx_mpi.ErrorFeedback`` (docs/ERROR_FEEDBACK.md): what
 quantizing this rank's values lost joins its next step's values, as
-PowerSGD's hook carries its error; a bucket whose size changes (DDP
-rebuilds its buckets after the first step) starts a new residual.
+PowerSGD's hook carries its error.
+
+A residual belongs to the parameters, not to a bucket's index: it is kept
+per bucket layout, the bucket's parameters in their order (held weakly, so
+a dead parameter's reused id matches nothing).  When DDP rebuilds its
+buckets (after the first step, in the order the gradients became ready,
+perhaps regrouped) each parameter's slice of the residual moves to its new
+place: nothing is lost, nothing lands on another parameter.  So one state
+may serve several DDP models: their parameters differ, and so do their
+residuals (each model behaves as with a state of its own; their buckets
+share the state's queue and QuantizedComm).
 """
 import contextlib
+import weakref
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -36,8 +47,8 @@ class HookState:
     EQUARX_MPI_* variables).  Collective over comm.  ``process_group``
     (default: torch's default group, if any): the DDP group, whose ranks
     must be comm's (checked, the same error on every rank).
-    ``feedback``: carry each bucket's quantization residual to its next
-    step."""
+    ``feedback``: carry each parameter's quantization residual to its
+    next step (``residual(param)`` shows it)."""
 
     def __init__(self, comm=None, feedback=False, process_group=None, **options):
         comm = MPI.COMM_WORLD if comm is None else comm
@@ -51,19 +62,56 @@ class HookState:
         self.qc = QuantizedComm(comm, **options)
         self.feedback = bool(feedback)
         self._size = comm.Get_size()
-        self._residuals = {}            # bucket index -> (count, dtype, ErrorFeedback)
+        self._layouts = {}      # ids of a bucket's parameters -> _Layout
+        self._owner = {}        # id(parameter) -> (_Layout holding its residual, index there)
         self._exec = Executor()
 
-    def residual(self, index):
-        """This rank's residual of bucket ``index`` (a copy), or None."""
-        entry = self._residuals.get(index)
-        return None if entry is None else entry[2].residual
+    def residual(self, param):
+        """This rank's residual of parameter ``param`` (a copy shaped like
+        it, float32 or float64 for float64), or None."""
+        lay, i = self._owner.get(id(param), (None, 0))
+        if lay is None or lay.refs[i]() is not param or lay.fb.residual is None:
+            return None
+        at, n = lay.spans[i]
+        return lay.fb.residual[at:at + n].reshape(param.shape)
 
-    def _feedback(self, index, t):
-        entry = self._residuals.get(index)
-        if entry is None or entry[:2] != (t.numel(), t.dtype):
-            entry = self._residuals[index] = (t.numel(), t.dtype, ErrorFeedback())
-        return entry[2]
+    def _feedback(self, bucket, t):
+        params = bucket.parameters()
+        key = tuple(map(id, params))
+        lay = self._layouts.get(key)
+        if lay is None or not lay.fits(params, t):
+            lay = self._relayout(key, params, bucket.gradients(), t)
+        return lay.fb
+
+    def _relayout(self, key, params, grads, t):
+        """A new layout for this bucket, taking each parameter's residual
+        from where it was.  DDP rebuilds its buckets in forward, after
+        waiting for the last step's: no residual read here is in use."""
+        new = _Layout(params, [(g.storage_offset() - t.storage_offset(), g.numel())
+                               for g in grads], t)
+        moved, losers = None, set()
+        for i, p in enumerate(params):
+            old, j = self._owner.get(id(p), (None, 0))
+            self._owner[id(p)] = (new, i)
+            if old is None or old.refs[j]() is not p:
+                continue
+            losers.add(old)
+            # ErrorFeedback keeps the residual negated, in _gain (feedback.py)
+            res, (src, n), (at, m) = old.fb._gain, old.spans[j], new.spans[i]
+            if res is not None and old.dtype == new.dtype and n == m:
+                if moved is None:
+                    moved = np.zeros(new.count, res.dtype)
+                moved[at:at + n] = res[src:src + n]
+        if moved is not None:
+            new.fb.begin(np.zeros(new.count, array(t).dtype))     # sizes its buffers
+            new.fb._gain[...] = moved
+        # a layout that lost a parameter is never current again; its other
+        # parameters' residuals stay reachable through _owner until moved
+        self._owner = {k: v for k, v in self._owner.items() if v[0].refs[v[1]]() is not None}
+        self._layouts = {k: v for k, v in self._layouts.items()
+                         if v not in losers and all(r() is not None for r in v.refs)}
+        self._layouts[key] = new
+        return new
 
     def free(self):
         """Collective: finish queued buckets and free the QuantizedComm."""
@@ -79,6 +127,23 @@ class HookState:
     def __getstate__(self):
         # DDP pickles its state for checkpoints: a communicator cannot be
         raise TypeError("equarx: a HookState cannot be pickled; make a new one after loading")
+
+
+class _Layout:
+    """A bucket's parameters (weakly), where each lies in its flat buffer
+    (offset, count), and the ErrorFeedback over that buffer."""
+
+    __slots__ = ("refs", "spans", "count", "dtype", "fb")
+
+    def __init__(self, params, spans, t):
+        self.refs = tuple(weakref.ref(p) for p in params)
+        self.spans = spans
+        self.count, self.dtype = t.numel(), t.dtype
+        self.fb = ErrorFeedback()
+
+    def fits(self, params, t):
+        return ((t.numel(), t.dtype) == (self.count, self.dtype)
+                and all(r() is p for r, p in zip(self.refs, params)))
 
 
 def _mismatch(comm, process_group):
@@ -110,7 +175,7 @@ def allreduce_hook(state, bucket):
         raise TypeError(f"equarx: allreduce_hook takes CPU float gradients, not {t.dtype} on "
                         f"{t.device}")
     qc, size = state.qc, state._size
-    fb = state._feedback(bucket.index(), t) if state.feedback else None
+    fb = state._feedback(bucket, t) if state.feedback else None
     exact = EXACT[0] > 0
 
     def run():

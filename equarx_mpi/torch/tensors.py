@@ -78,12 +78,18 @@ def check_reduce(what, tensors, op, out=True):
     if op not in OPS:
         return ValueError(f"equarx: {what}: {op} is not supported ({SUPPORTED_OPS} are)")
     for t in tensors:
-        if t.dtype not in REDUCIBLE:
+        if t.dtype not in REDUCIBLE and not t.is_complex():
             return TypeError(f"equarx: {what}: cannot reduce {t.dtype} tensors (float32, float64, "
-                             f"float16, bfloat16, the signed integers, uint8 and bool reduce)")
+                             f"float16, bfloat16, their complex types, the signed integers, "
+                             f"uint8 and bool reduce)")
+        if t.is_complex():
+            if op not in (_R.SUM, AVG):
+                return TypeError(f"equarx: {what}: complex tensors reduce with SUM and AVG "
+                                 f"only, not {OPS[op][0]}")
+            continue
         floating = t.dtype in _FLOATS
-        if op == AVG and not floating:
-            return TypeError(f"equarx: {what}: AVG needs floating-point tensors, not {t.dtype}")
+        if op == AVG and t.dtype == torch.bool:
+            return TypeError(f"equarx: {what}: AVG of bool tensors")
         if op in _BITWISE and floating:
             return TypeError(f"equarx: {what}: {OPS[op][0]} needs integer tensors, not {t.dtype}")
     return None
@@ -131,7 +137,10 @@ class stage:
 
 
 def array(c):
-    """The numpy view (1-d) of contiguous tensor c, in the library's type."""
+    """The numpy view (1-d) of contiguous tensor c, in the library's type
+    (a complex tensor: its real and imaginary parts, interleaved)."""
+    if c.is_complex():
+        c = torch.view_as_real(c)
     flat = c.detach().reshape(-1)
     if c.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy().view(BFLOAT16)
@@ -145,4 +154,43 @@ def raw(c):
 
 def from_bytes(buf, like):
     """A tensor of like's dtype and shape over the uint8 array ``buf``."""
+    if buf.size == 0:       # (torch cannot view an empty byte array as another type)
+        return torch.empty(like.shape, dtype=like.dtype)
     return torch.from_numpy(buf).view(like.dtype).reshape(like.shape)
+
+
+# --- checks that depend on the group's size P ----------------------------------------
+def bad_root(P, what, root):
+    """The error value of a root that is not a rank of a group of P."""
+    if 0 <= root < P:
+        return None
+    return ValueError(f"equarx: {what}: root {root} is not a rank of this group of {P}")
+
+
+def per_rank(P, what, lists, mine, out):
+    """The root's error, or None, for gather's output lists or scatter's
+    input lists: one tensor per rank, each of the kind of ``mine``'s."""
+    err = check(what, [t for lst in lists for t in lst], out=out)
+    for lst, t in zip(lists, mine):
+        err = err or (None if len(lst) == P else ValueError(
+            f"equarx: {what}: {len(lst)} {'output' if out else 'input'} tensors, not the "
+            f"group's {P}"))
+        err = err or same_kind(what, lst, t)
+    return err
+
+
+def splits(P, t, sizes, name):
+    """(rows per rank, error value) of all_to_all_single's split of t
+    along dim 0 over P ranks."""
+    if t.dim() == 0:
+        return [0] * P, ValueError(f"equarx: all_to_all_single: a 0-d {name}")
+    if not sizes:
+        if t.shape[0] % P:
+            return [0] * P, ValueError(f"equarx: all_to_all_single: the {name}'s "
+                                       f"{t.shape[0]} rows do not split evenly over {P} ranks")
+        return [t.shape[0] // P] * P, None
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != P or sum(sizes) != t.shape[0] or min(sizes) < 0:
+        return [0] * P, ValueError(f"equarx: all_to_all_single: {name} split sizes "
+                                   f"{sizes} do not split {t.shape[0]} rows over {P} ranks")
+    return sizes, None

@@ -4,13 +4,19 @@ torch hands every collective of a process group an options object whose
 ``asyncOp`` says whether the caller waits at once (``dist.all_reduce(t)``)
 or later (``async_op=True``; DDP's gradient buckets, which the C++ reducer
 starts with the default options, asyncOp true).  A call waited at once runs
-in the caller's thread and returns a finished Work; any other is queued:
-one thread per group runs the queued calls one at a time in the order they
-were made, so every rank runs them in the same order, and a call made
-later, blocking or not, starts only after every earlier one has finished
-(program order, as one stream per group gives it).  The thread spends its
-time in MPI and in numba's kernels, which leave the GIL, so backward
-computes while a bucket is on the wire.
+in the caller's thread and returns a finished Work; any other is queued
+and returns at once, without a message: one thread per group agrees on
+the queued calls and runs them, one at a time, in the order they were
+made, so every rank runs them in the same order, and a call made later,
+blocking or not, starts only after every earlier one has finished
+(program order, as one stream per group gives it).  Nothing an
+asynchronous call does waits for a peer in the caller's thread: two groups
+whose calls are started in different orders on different ranks, or a
+send made after an asynchronous call whose peer receives first, complete
+as on gloo.  The thread spends its time in MPI and in numba's kernels,
+which leave the GIL, so backward computes while a bucket is on the wire;
+it is one of the library's background threads, which wait for the network
+politely (equarx_mpi.threads).
 
 A Work's future (``get_future()``) completes in that thread when the data
 is there, with the call's output tensors, or with its exception; callbacks
@@ -18,16 +24,36 @@ chained with ``then()`` run there too.  A callback may start another call
 of the group (PowerSGD's hook does): started from the thread itself, a
 blocking one runs at once and an asynchronous one joins the queue.
 
-Needs MPI_THREAD_MULTIPLE (mpi4py's default): the caller's thread agrees on
-the next call over the group's control communicator while the queue's
-thread may be running an earlier one.  Without it every call runs at once.
+Needs MPI_THREAD_MULTIPLE (mpi4py's default); without it every call runs
+at once, in the caller's thread.
 """
+import atexit
 import collections
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+
+from equarx_mpi.collectives.counting import background_thread, in_background
+
+
+def wait_until(req, deadline):
+    """Complete MPI request ``req``; False if ``deadline`` (time.monotonic(),
+    or None: none) passes first (the request is then still active).  The
+    library's threads poll with growing pauses from the start; a caller's
+    thread spins a little first (a matched call completes within it)."""
+    pause, spins = 1e-5, 0 if in_background() else 200
+    while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        if spins:
+            spins -= 1
+        else:
+            time.sleep(pause)
+            pause = min(2 * pause, 2.5e-4)
+    return True
 
 
 class Work(dist.Work):
@@ -91,7 +117,8 @@ class P2PWork(Work):
     (or, once asked for a future, by a thread of its own: a peer's matching
     call may come after later calls of this group, which the queue would
     hold up).  ``finish`` runs once the message is there (a receive's copy
-    into a non-contiguous tensor)."""
+    into a non-contiguous tensor).  The group keeps it until MPI is done
+    with its memory (``poll``), whether or not the caller keeps it."""
 
     def __init__(self, result, request, finish=None, keep=()):
         super().__init__(result, done=False)
@@ -100,12 +127,13 @@ class P2PWork(Work):
         self._lock = threading.Lock()
         self._waiter = None
 
-    def _complete(self):
+    def _complete(self, arrived=False):
         with self._lock:
             if self._done.is_set():
                 return
             try:
-                self._req.Wait(self._status)
+                if not arrived:
+                    self._req.Wait(self._status)
                 if self._then is not None:
                     self._then()
                 error = None
@@ -113,6 +141,20 @@ class P2PWork(Work):
                 error = e
             self._keep = ()
             self._finish(error)
+
+    def poll(self):
+        """Whether MPI is done with the message, completing the Work if so;
+        never waits."""
+        with self._lock:
+            if self._done.is_set() or self._waiter is not None:
+                return self._done.is_set()
+            try:
+                arrived = self._req.Test(self._status)
+            except Exception:           # noqa: BLE001 - wait() raises it
+                return False
+        if arrived:
+            self._complete(arrived=True)
+        return arrived
 
     def wait(self, timeout=None):
         if timeout is None or timeout.total_seconds() <= 0:
@@ -123,10 +165,9 @@ class P2PWork(Work):
         return super().wait(timeout)
 
     def get_future(self):
-        if self._waiter is None and not self._done.is_set():
-            self._waiter = threading.Thread(target=self._complete, daemon=True,
-                                            name="equarx p2p")
-            self._waiter.start()
+        with self._lock:
+            if self._waiter is None and not self._done.is_set():
+                self._waiter = background_thread(self._complete, "equarx p2p")
         return self._fut
 
     def _source_rank(self):
@@ -169,9 +210,7 @@ class Executor:
             return work
         with self._cv:
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, daemon=True,
-                                                name="equarx queue")
-                self._thread.start()
+                self._thread = background_thread(self._loop, "equarx queue")
             self._queue.append((fn, work))
             self._pending += 1
             self._cv.notify_all()
@@ -217,3 +256,28 @@ class Executor:
             with self._cv:
                 self._pending -= 1
                 self._cv.notify_all()
+
+
+#: frees of shut-down groups still waiting for their peers (joined at exit)
+_FREEING = []
+#: shut-down groups whose communicators MPI may still use (never freed)
+KEPT = []
+
+
+def free_soon(free, threaded):
+    """Run ``free()``, a collective release (shared-memory windows), without
+    waiting for the other ranks: in a thread of its own, so that ranks may
+    release groups in different orders."""
+    if not threaded:
+        free()
+        return
+    _FREEING[:] = [t for t in _FREEING if t.is_alive()]
+    _FREEING.append(background_thread(free, "equarx free"))
+
+
+@atexit.register
+def _join_frees():
+    # before mpi4py's own exit handler (registered earlier, run later)
+    # finalizes MPI; a peer that never frees its side is not waited for long
+    for t in _FREEING:
+        t.join(timeout=10)
