@@ -134,6 +134,31 @@ def test_blocking_barrier_times_out():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_abort_waits_for_nothing():
+    """abort() with a call queued that no peer makes: it returns at once,
+    and the group refuses later calls."""
+    g = dist.new_group(backend="equarx", timeout=datetime.timedelta(seconds=3))
+    ok = True
+    if R == 0:
+        w = dist.all_reduce(torch.ones(2), group=g, async_op=True)
+        t0 = time.monotonic()
+        g.abort()
+        ok = time.monotonic() - t0 < 1.0
+        try:
+            dist.all_reduce(torch.ones(2), group=g)
+            ok = False
+        except RuntimeError:
+            pass
+        try:        # refused, or its agreement gives up at the group's timeout
+            w.wait()
+            ok = False
+        except RuntimeError:
+            pass
+    everywhere(ok, "abort returned at once; the group refuses calls")
+    dist.destroy_process_group(g)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_destroy_shm_groups_in_any_order():
     """Groups whose QuantizedComm holds a shared-memory window (freed
     collectively), destroyed in a different order on each rank."""
@@ -318,9 +343,10 @@ def test_large_message_path(gloo, monkeypatch):
 @pytest.mark.mpi(min_size=2)
 def test_broadcast_and_send_above_2_gib():
     n = (1 << 31) + 4096 + 3                        # bytes
-    t = torch.empty(n, dtype=torch.uint8)
-    if R == 0:
-        t.copy_(torch.arange(n, dtype=torch.int64).remainder_(251).to(torch.uint8))
+    if R == 0:      # byte i is i mod 251 (a prime: no 1 GiB block repeats another)
+        t = torch.arange(251, dtype=torch.uint8).repeat(n // 251 + 1)[:n]
+    else:
+        t = torch.zeros(n, dtype=torch.uint8)
     dist.broadcast(t, src=0)
     probe = torch.tensor([0, 1 << 30, (1 << 31) - 1, 1 << 31, n - 1])
     everywhere(torch.equal(t[probe], probe.remainder(251).to(torch.uint8)),

@@ -194,7 +194,13 @@ class ProcessGroupEquarx(dist.ProcessGroup):
                 c.Free()
         free_soon(free, self._exec.threaded)
 
-    abort = shutdown
+    def abort(self):
+        """End the group now, waiting for nothing: calls queued and not yet
+        run fail, and nothing is freed (a running call may still use it)."""
+        if self._qc is not None:
+            self._broken = self._broken or "equarx: this process group was aborted"
+            self._exec.closed, self._qc = True, None
+            KEPT.append(self)
 
     # --- reductions: QuantizedComm's policy -----------------------------------------
     def allreduce(self, tensors, opts=None):

@@ -41,18 +41,19 @@ from equarx_mpi.collectives.counting import background_thread, in_background
 
 def wait_until(req, deadline):
     """Complete MPI request ``req``; False if ``deadline`` (time.monotonic(),
-    or None: none) passes first (the request is then still active).  The
-    library's threads poll with growing pauses from the start; a caller's
-    thread spins a little first (a matched call completes within it)."""
-    pause, spins = 1e-5, 0 if in_background() else 200
+    or None: none) passes first (the request is then still active).  In
+    the caller's thread it spins, as MPI's blocking calls do; the library's
+    background threads poll with growing pauses (collectives/counting.py)."""
+    polite, pause, n = in_background(), 1e-5, 0
     while not req.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            return False
-        if spins:
-            spins -= 1
-        else:
+        n += 1
+        if polite:
             time.sleep(pause)
             pause = min(2 * pause, 2.5e-4)
+        elif n % 256:
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            return False
     return True
 
 
