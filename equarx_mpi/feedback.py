@@ -80,6 +80,14 @@ class ErrorFeedback:
         v.flags.writeable = False
         return v
 
+    def load(self, residual, dtype):
+        """Start from ``residual`` (as ``residual`` gives it) for buffers of
+        ``dtype``: a residual moved to a new layout of the same values (the
+        DDP hook's bucket rebuilds) or restored."""
+        self.reset()
+        self.begin(np.zeros(len(residual), dtype))      # sizes the buffers
+        np.negative(residual, out=self._gain)
+
     def __repr__(self):
         if self._gain is None:
             return "ErrorFeedback(empty)"

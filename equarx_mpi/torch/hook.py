@@ -89,22 +89,22 @@ class HookState:
         waiting for the last step's: no residual read here is in use."""
         new = _Layout(params, [(g.storage_offset() - t.storage_offset(), g.numel())
                                for g in grads], t)
-        moved, losers = None, set()
+        moved, losers, residuals = None, set(), {}
         for i, p in enumerate(params):
             old, j = self._owner.get(id(p), (None, 0))
             self._owner[id(p)] = (new, i)
             if old is None or old.refs[j]() is not p:
                 continue
             losers.add(old)
-            # ErrorFeedback keeps the residual negated, in _gain (feedback.py)
-            res, (src, n), (at, m) = old.fb._gain, old.spans[j], new.spans[i]
+            if old not in residuals:
+                residuals[old] = old.fb.residual
+            res, (src, n), (at, m) = residuals[old], old.spans[j], new.spans[i]
             if res is not None and old.dtype == new.dtype and n == m:
                 if moved is None:
                     moved = np.zeros(new.count, res.dtype)
                 moved[at:at + n] = res[src:src + n]
         if moved is not None:
-            new.fb.begin(np.zeros(new.count, array(t).dtype))     # sizes its buffers
-            new.fb._gain[...] = moved
+            new.fb.load(moved, array(t).dtype)
         # a layout that lost a parameter is never current again; its other
         # parameters' residuals stay reachable through _owner until moved
         self._owner = {k: v for k, v in self._owner.items() if v[0].refs[v[1]]() is not None}
