@@ -43,18 +43,25 @@ def wait_until(req, deadline):
     """Complete MPI request ``req``; False if ``deadline`` (time.monotonic(),
     or None: none) passes first (the request is then still active).  In
     the caller's thread it spins, as MPI's blocking calls do; the library's
-    background threads poll with growing pauses (collectives/counting.py)."""
+    background threads spin for SPIN seconds (peers in step answer within
+    it), then poll with growing pauses (collectives/counting.py)."""
     polite, pause, n = in_background(), 1e-5, 0
+    patient = time.monotonic() + SPIN
     while not req.Test():
         n += 1
-        if polite:
+        if n % 64:
+            continue
+        now = time.monotonic()
+        if deadline is not None and now > deadline:
+            return False
+        if polite and now > patient:
             time.sleep(pause)
             pause = min(2 * pause, 2.5e-4)
-        elif n % 256:
-            continue
-        if deadline is not None and time.monotonic() > deadline:
-            return False
     return True
+
+
+#: how long a background thread spins on a request before it sleeps
+SPIN = 1e-4
 
 
 class Work(dist.Work):
