@@ -1,5 +1,5 @@
 """Everything that sends messages: the quantized schedules (engine.py runs
-ring.py and two_shot.py on pieces cut by pieces.py; hierarchical.py across
-nodes), the exact shared window (shm.py), MPI's own collectives and the
+ring.py, two_shot.py and rabenseifner.py on pieces cut by pieces.py;
+hierarchical.py across nodes), the exact shared window (shm.py), MPI's own collectives and the
 exact fix-up of flagged blocks (exact.py), where the ranks are (nodes.py)
 and the library's counting communicator (counting.py)."""

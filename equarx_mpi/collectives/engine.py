@@ -27,7 +27,8 @@ SCHEDULES = {"ring": ring, "two_shot": two_shot, "rabenseifner": rabenseifner}
 _PLAN_CACHE = 8
 
 
-#: what each schedule runs, per kind of collective (ring.run, two_shot.run)
+#: what each schedule runs, per kind of collective (ring.run, two_shot.run,
+#: rabenseifner.run)
 NEEDS = {("ring", "allreduce"): ("encode", "decode_reduce_encode", "decode"),
          ("ring", "reduce_scatter"): ("encode", "decode_reduce_encode", "decode_reduce"),
          ("ring", "allgather"): ("encode", "decode"),

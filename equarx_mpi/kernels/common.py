@@ -182,17 +182,6 @@ def _store(arr, i, v):
     return impl
 
 
-def is_direct(arr):
-    """Whether arr's elements are already the accumulation type (no
-    conversion needed to read them), as a compile-time constant."""
-
-
-@overload(is_direct, jit_options=CACHE)
-def _is_direct(arr):
-    direct = arr.dtype == types.float32 or arr.dtype == types.float64
-    return lambda arr: direct
-
-
 def abs_bits(x):
     """The IEEE bits of |x| as an unsigned integer of x's width; their
     unsigned order is the order of |x|, with Inf above every finite value
