@@ -63,3 +63,17 @@ def need_torch():
         pytest.skip("torch is not installed (pip install 'equarx_mpi[torch]')",
                     allow_module_level=True)
     return torch
+
+
+def equarx_and_gloo():
+    """For the torch modules' fixture: the default group on "equarx" (made
+    here unless another module did), and a gloo group of the same ranks
+    beside it, sharing its store; one torch thread per rank."""
+    import torch
+    import torch.distributed as dist
+
+    import equarx_mpi.torch  # noqa: F401 (registers the backend)
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("equarx")
+    return dist.new_group(backend="gloo")

@@ -14,7 +14,7 @@ not 1; run_tests.sh sets it, so there a missing torch fails.
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import everywhere, need_torch, raises_everywhere
+from mpi_helpers import equarx_and_gloo, everywhere, need_torch, raises_everywhere
 
 torch = need_torch()
 import torch.distributed as dist  # noqa: E402
@@ -32,14 +32,7 @@ FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    """The default group on "equarx" (made here unless another module did),
-    and a gloo group of the same ranks beside it, sharing its store."""
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("equarx")
-    return dist.new_group(backend="gloo")
+gloo = pytest.fixture(equarx_and_gloo, scope="module", autouse=True, name="gloo")
 
 
 def inputs(dtype, n, op=Op.SUM, seed=0):

@@ -17,7 +17,7 @@ import time
 
 import pytest
 from mpi4py import MPI
-from mpi_helpers import everywhere, need_torch, raises_everywhere
+from mpi_helpers import equarx_and_gloo, everywhere, need_torch, raises_everywhere
 
 torch = need_torch()
 import torch.distributed as dist  # noqa: E402
@@ -31,12 +31,7 @@ R, P = WORLD.Get_rank(), WORLD.Get_size()
 Op = dist.ReduceOp
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("equarx")
-    return dist.new_group(backend="gloo")
+gloo = pytest.fixture(equarx_and_gloo, scope="module", autouse=True, name="gloo")
 
 
 def mine(n, seed=0, dtype=torch.float32):

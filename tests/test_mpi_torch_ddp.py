@@ -29,7 +29,7 @@ import gc
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import everywhere, need_torch, raises_everywhere
+from mpi_helpers import equarx_and_gloo, everywhere, need_torch, raises_everywhere
 
 torch = need_torch()
 import torch.distributed as dist  # noqa: E402
@@ -45,12 +45,7 @@ BUCKET_MB = 0.004
 INT8 = dict(algorithm="ring", min_quantized_bytes=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def gloo():
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("equarx")
-    return dist.new_group(backend="gloo")
+gloo = pytest.fixture(equarx_and_gloo, scope="module", autouse=True, name="gloo")
 
 
 def model():

@@ -33,6 +33,8 @@ from equarx_mpi.torch.tensors import (
     bad_root,
     check,
     check_reduce,
+    fields,
+    listed,
     per_rank,
     red_op,
     same_kind,
@@ -42,18 +44,6 @@ from equarx_mpi.torch.work import KEPT, Executor, P2PWork, Work, free_soon
 
 #: depth of ``equarx_mpi.torch.exact()`` blocks (every group and hook)
 EXACT = [0]
-
-
-def _listed(x):
-    return list(x) if isinstance(x, (list, tuple)) else [x]
-
-
-def _fields(tensors):
-    """The agreed (name, value) pairs of a list of tensors: dtypes and sizes."""
-    out = [("number of tensors", len(tensors))]
-    for t in tensors:
-        out += [("dtype", str(t.dtype)), ("element count", t.numel())]
-    return out
 
 
 class ProcessGroupEquarx(dist.ProcessGroup):
@@ -118,8 +108,8 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         a queued call runs after the caller may have left ``exact()``)."""
         return EXACT[0] > 0 or self.exact_depth > 0
 
-    def _call(self, opts, what, fields, err, fn, result, counts=None):
-        """Agree on the call (``fields``, the local error ``err``; ``counts``:
+    def _call(self, opts, what, meta, err, fn, result, counts=None):
+        """Agree on the call (``meta``: (name, value) pairs, the local error ``err``; ``counts``:
         the elements (sent, expected) to and from each rank), then fn(): now,
         or queued if the caller waits later; a Work.  With the option
         check=False, as MPI itself: a local error is raised here only, and
@@ -134,7 +124,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
             self._usable()
             deadline = self._deadline()
             try:
-                agree(self._ctl, what, fields, err, deadline)
+                agree(self._ctl, what, meta, err, deadline)
                 if counts is not None:
                     pairwise(self._ctl, what, *counts, deadline)
             except TimeoutError:
@@ -204,12 +194,12 @@ class ProcessGroupEquarx(dist.ProcessGroup):
 
     # --- reductions: QuantizedComm's policy -----------------------------------------
     def allreduce(self, tensors, opts=None):
-        tensors, op = _listed(tensors), red_op(opts) if opts is not None else dist.ReduceOp.SUM
+        tensors, op = listed(tensors), red_op(opts) if opts is not None else dist.ReduceOp.SUM
         err = check_reduce("all_reduce", tensors, op)
         if err is None and len({t.dtype for t in tensors}) > 1:
             err = TypeError("equarx: all_reduce_coalesced: tensors of several dtypes mixed")
         qc, exact = self._qc, self._exact_now()
-        return self._call(opts, "all_reduce", [("op", str(op))] + _fields(tensors), err,
+        return self._call(opts, "all_reduce", [("op", str(op))] + fields(tensors), err,
                           lambda: calls.allreduce(qc, self._size, tensors, op, exact), tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -224,12 +214,12 @@ class ProcessGroupEquarx(dist.ProcessGroup):
                             f"not {input.numel()} {input.dtype}"))
         qc, exact = self._qc, self._exact_now()
         return self._call(opts, "reduce_scatter_tensor",
-                          [("op", str(op))] + _fields([output, input]), err,
+                          [("op", str(op))] + fields([output, input]), err,
                           lambda: calls.reduce_scatter(qc, self._size, output, input, op, exact),
                           [output])
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        outputs, op = _listed(outputs), red_op(opts) if opts is not None else dist.ReduceOp.SUM
+        outputs, op = listed(outputs), red_op(opts) if opts is not None else dist.ReduceOp.SUM
         flat = [x for lst in input_lists for x in lst]
         err = check_reduce("reduce_scatter", outputs + flat, op) or next(
             (ValueError(f"equarx: reduce_scatter: {len(lst)} input tensors, not the group's "
@@ -241,7 +231,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         def run():
             for o, lst in zip(outputs, input_lists):
                 calls.reduce_scatter(qc, self._size, o, lst, op, exact)
-        return self._call(opts, "reduce_scatter", [("op", str(op))] + _fields(outputs), err,
+        return self._call(opts, "reduce_scatter", [("op", str(op))] + fields(outputs), err,
                           run, outputs)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -249,23 +239,23 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         return works[-1] if works else Work([])
 
     def reduce(self, tensors, opts=None):
-        tensors, op = _listed(tensors), red_op(opts) if opts is not None else dist.ReduceOp.SUM
+        tensors, op = listed(tensors), red_op(opts) if opts is not None else dist.ReduceOp.SUM
         root = getattr(opts, "rootRank", 0)
         err = check_reduce("reduce", tensors, op) or bad_root(self._size, "reduce", root)
-        return self._call(opts, "reduce", [("op", str(op)), ("root", root)] + _fields(tensors),
+        return self._call(opts, "reduce", [("op", str(op)), ("root", root)] + fields(tensors),
                           err, lambda: calls.reduce(self._data, tensors, op, root), tensors)
 
     # --- data movement: MPI's own ------------------------------------------------------
     def broadcast(self, tensors, opts=None):
-        tensors = _listed(tensors)
+        tensors = listed(tensors)
         root = getattr(opts, "rootRank", 0) if opts is not None else 0
         err = check("broadcast", tensors, out=True) or bad_root(self._size, "broadcast", root)
-        return self._call(opts, "broadcast", [("root", root)] + _fields(tensors), err,
+        return self._call(opts, "broadcast", [("root", root)] + fields(tensors), err,
                           lambda: calls.broadcast(self._data, tensors, root), tensors)
 
     def allgather(self, output_lists, inputs, opts=None, result=None):
         """output_lists[i][r]: input i of rank r."""
-        inputs = _listed(inputs)
+        inputs = listed(inputs)
         err = check("all_gather", inputs) or check(
             "all_gather", [o for lst in output_lists for o in lst], out=True) or (
             None if len(output_lists) == len(inputs) else ValueError(
@@ -276,17 +266,17 @@ class ProcessGroupEquarx(dist.ProcessGroup):
             err = err or same_kind("all_gather", lst, t)
         if result is None:      # the future's value, as gloo's: one input's outputs
             result = output_lists[0] if len(output_lists) == 1 else output_lists
-        return self._call(opts, "all_gather", _fields(inputs), err,
+        return self._call(opts, "all_gather", fields(inputs), err,
                           lambda: calls.allgather(self._data, output_lists, inputs), result)
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         """output_lists[r][i]: input i of rank r (torch's layout, the
         transpose of allgather's)."""
-        inputs = _listed(inputs)
+        inputs = listed(inputs)
         if len(output_lists) != self._size or any(len(o) != len(inputs) for o in output_lists):
             err = ValueError(f"equarx: all_gather_coalesced: the outputs must be {self._size} "
                              f"lists (one per rank) of {len(inputs)} tensors (one per input)")
-            return self._call(opts, "all_gather", _fields(inputs), err, None, [])
+            return self._call(opts, "all_gather", fields(inputs), err, None, [])
         return self.allgather([[o[i] for o in output_lists] for i in range(len(inputs))],
                               inputs, opts, result=output_lists)
 
@@ -297,7 +287,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
             else ValueError(f"equarx: all_gather_into_tensor: the output must hold {self._size} "
                             f"times the input's {input.numel()} {input.dtype} elements, not "
                             f"{output.numel()} {output.dtype}"))
-        return self._call(opts, "all_gather_into_tensor", _fields([input]), err,
+        return self._call(opts, "all_gather_into_tensor", fields([input]), err,
                           lambda: calls.allgather_base(self._data, output, input), [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -305,7 +295,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         return works[-1] if works else Work([])
 
     def gather(self, output_lists, inputs, opts=None):
-        inputs = _listed(inputs)
+        inputs = listed(inputs)
         root = getattr(opts, "rootRank", 0)
         err = check("gather", inputs) or bad_root(self._size, "gather", root)
         if err is None and self.rank() == root:
@@ -313,16 +303,16 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         mine = self.rank() == root
         # the future's value, as gloo's: the root's outputs, nothing elsewhere
         result = (output_lists[0] if len(output_lists) == 1 else output_lists) if mine else []
-        return self._call(opts, "gather", [("root", root)] + _fields(inputs), err,
+        return self._call(opts, "gather", [("root", root)] + fields(inputs), err,
                           lambda: calls.gather(self._data, output_lists, inputs, root), result)
 
     def scatter(self, outputs, input_lists, opts=None):
-        outputs = _listed(outputs)
+        outputs = listed(outputs)
         root = getattr(opts, "rootRank", 0)
         err = check("scatter", outputs, out=True) or bad_root(self._size, "scatter", root)
         if err is None and self.rank() == root:
             err = per_rank(self._size, "scatter", input_lists, outputs, out=False)
-        return self._call(opts, "scatter", [("root", root)] + _fields(outputs), err,
+        return self._call(opts, "scatter", [("root", root)] + fields(outputs), err,
                           lambda: calls.scatter(self._data, outputs, input_lists, root), outputs)
 
     def alltoall(self, outputs, inputs, opts=None):
@@ -388,19 +378,19 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         # later calls of its own (gloo's sends do not wait for them either)
 
     def send(self, tensors, dst, tag=0):
-        tensors = _listed(tensors)
+        tensors = listed(tensors)
         self._p2p_check("send", tensors, dst, tag)
         req, keep = calls.send(self._p2p, tensors[0], dst, tag)
         return self._track(P2PWork(tensors, req, keep=(keep,)))
 
     def recv(self, tensors, src, tag=0):
-        tensors = _listed(tensors)
+        tensors = listed(tensors)
         self._p2p_check("recv", tensors, src, tag)
         req, finish = calls.recv(self._p2p, tensors[0], src, tag)
         return self._track(P2PWork(tensors, req, finish))
 
     def recv_anysource(self, tensors, tag=0):
-        tensors = _listed(tensors)
+        tensors = listed(tensors)
         self._p2p_check("recv", tensors, None, tag)
         req, finish = calls.recv(self._p2p, tensors[0], MPI.ANY_SOURCE, tag)
         return self._track(P2PWork(tensors, req, finish))

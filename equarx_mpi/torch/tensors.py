@@ -95,6 +95,19 @@ def check_reduce(what, tensors, op, out=True):
     return None
 
 
+def listed(x):
+    """A tensor or a sequence of them, as a list."""
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def fields(tensors):
+    """The agreed (name, value) pairs of a list of tensors: dtypes and sizes."""
+    out = [("number of tensors", len(tensors))]
+    for t in tensors:
+        out += [("dtype", str(t.dtype)), ("element count", t.numel())]
+    return out
+
+
 def same_kind(what, tensors, like):
     """The error value if some tensor's dtype or element count differs
     from ``like``'s (the input of a gather, say), else None."""
