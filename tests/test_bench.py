@@ -258,7 +258,9 @@ def test_calls_two_ranks_parses(tmp_path):
         assert r["method"] == j["method"] and int(r["N"]) == j["number"] == 4
         assert int(r["count"]) * 8 == int(r["size(B)"]) == j["bytes"]
         assert 0 < j["best_us"] <= j["median_us"]
-        assert float(r["best(us)"]) > 0 and float(r["x_med"]) > 0
+        # a noisy neighbour can make mpi's median huge: x_med may print as 0.00
+        assert float(r["best(us)"]) > 0 and j["x_median"] > 0
+        assert r["x_med"] == f"{j['x_median']:.2f}"
         if r["method"] == "mpi":
             assert (r["x_best"], r["path"], r["exact"], r["bits"]) == ("1.00", "-", "yes", "=mpi")
             assert r["target"] == r["status"] == r["own(us)"] == "-"
