@@ -13,9 +13,9 @@ from time import perf_counter
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi.bounds import bound, tolerance
+from equarx_mpi.bounds import bound, mpi_bound, tolerance
 from equarx_mpi.call import options, plan, policy
-from equarx_mpi.call.agree import abort_on_exception, agree, raise_agreed
+from equarx_mpi.call.agree import abort_on_exception, agree, agreed
 from equarx_mpi.call.buffers import OPAQUE, is_in_place
 from equarx_mpi.call.nonblocking import FREED, Executor, PersistentRequest
 from equarx_mpi.call.plans import Plan, signature
@@ -73,10 +73,12 @@ class QuantizedComm(Running):
         except (TypeError, ValueError) as e:
             o, err = {}, e
         # EQUARX_MPI_DISABLE too: read once (policy.Chooser), the same everywhere
+        mine = [("call", "QuantizedComm")] + [(k, str(v)) for k, v in o.items()] + [
+            ("EQUARX_MPI_DISABLE", str(options.disabled()))]
         everyone = comm.allgather((None if err is None else (type(err).__name__, str(err)),
-                                   dict({k: str(v) for k, v in o.items()},
-                                        EQUARX_MPI_DISABLE=options.disabled())))
-        raise_agreed("QuantizedComm", everyone)
+                                   mine))
+        if any(e is not None or f != everyone[0][1] for e, f in everyone):
+            raise agreed(everyone)
         self.options = o
         self.wire, self.block_size = o["wire"], o["block_size"]
         self.algorithm, self.lossy_ops, self.check = o["algorithm"], o["lossy_ops"], o["check"]
@@ -217,7 +219,7 @@ class QuantizedComm(Running):
 
     def _run_plan(self, p, sendbuf, recvbuf, op):
         """A repeated call that is MPI's own: just that, and its tally."""
-        if self._exec._pending:
+        if not self._exec.idle:
             self._exec.drain()
         t0 = perf_counter()
         if p.copy:
@@ -324,7 +326,7 @@ class QuantizedComm(Running):
         if err is not None:
             # the others agree exactly where this call's path is the library's own
             if self.check and (not direct or self._agree_all):
-                agree(self._ctl, what, meta + [("feedback", int(fb)), ("method", method)], err)
+                self._agree(what, meta + [("feedback", int(fb)), ("method", method)], err)
             raise err
         known = recv is not OPAQUE
         dtype = recv.dtype if known else None
@@ -334,22 +336,27 @@ class QuantizedComm(Running):
             err = ValueError(tolerance.NOT_PERSISTENT)
         most = None
         if (source == plan.AGREED or tolerant) and self.check:
-            most = exact.largest(recv if send is None else send)
+            most = mpi_bound.largest(recv if send is None else send)
         meta = meta + [("feedback", int(fb))]
         c = Call(what, send, recv, op, name, method, reason, nbytes, source, feedback)
         c.direct = direct
         # MPI's own path agrees on nothing (but with check="all"): a rank that
         # kept its plan does not either
         if self.check and (err is not None or not c.direct or self._agree_all):
-            most = agree(self._ctl, what, meta + [("method", method)], err, most)
+            most = self._agree(what, meta + [("method", method)], err, most)
         elif err is not None:
             raise err
         if tolerant:          # check=False: its own 8-byte MAX Allreduce finds M
             most = plan.settle(self.options, c, P, most, self._ctl)
         if c.bound is None and c.bound_from in plan.WHEN_PREPARED:
-            c.bound = 0.0 if known and not nbytes else exact.error_bound(what, name, dtype, P,
+            c.bound = 0.0 if known and not nbytes else mpi_bound.error_bound(what, name, dtype, P,
                                                                          most)
         return c
+
+    def _agree(self, what, meta, err, most=None):
+        """The call's agreement (call/agree.py); a torch group's QuantizedComm
+        agrees through the group's own, once per call (torch/group.py)."""
+        return agree(self._ctl, what, meta, err, most)
 
     def _path(self, what, name, recv, nbytes, fb, opaque_ok, persistent, quiet=False):
         """(method, reason, where its bound comes from, tolerant) of a call
@@ -366,7 +373,7 @@ class QuantizedComm(Running):
             method, reason = self._choose(what, name, recv.dtype, nbytes, fb, opaque_ok,
                                           self._exact > 0, quiet=quiet)
         dtype = recv.dtype if known else None
-        tolerant = bool(self._tolerant and nbytes and exact.sums_floats(what, name, dtype, P))
+        tolerant = bool(self._tolerant and nbytes and mpi_bound.sums_floats(what, name, dtype, P))
         source = plan.bound_source(what, name, dtype, P, method, nbytes, persistent or fb,
                                    self.check and self.options["exact_bounds"], fb, tolerant)
         return method, reason, source, tolerant

@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 
-from equarx_mpi.bounds import bound
+from equarx_mpi.bounds import bound, mpi_bound
 from equarx_mpi.call import plan
 from equarx_mpi.call.records import CallInfo, uncompressed_bytes
 from equarx_mpi.collectives import exact
-from equarx_mpi.collectives.counting import in_background
+from equarx_mpi.collectives.background import in_background
 from equarx_mpi.collectives.engine import Engine
 from equarx_mpi.names import between_nodes
 
@@ -75,7 +75,7 @@ class Running:
         err = self._exact_bound(c, e_own)
         most = self._window().allreduce(c.send, c.recv, c.op)
         if c.bound_from == plan.WINDOW:
-            err = exact.error_bound(c.what, c.name, c.recv.dtype, self._size, most)
+            err = mpi_bound.error_bound(c.what, c.name, c.recv.dtype, self._size, most)
         return 0, err, None
 
     def _schedule(self, c, e_own):

@@ -297,7 +297,7 @@ class _Wrapped:
             if c is not None:
                 qc._keep(signature(sendbuf, recvbuf, op, qc._exact), c, by_mpi=True)
             return
-        if qc._exec._pending:
+        if not qc._exec.idle:
             qc._exec.drain()
         t0 = perf_counter()
         _ALLREDUCE(self, _IN_PLACE if p.in_place else sendbuf, recvbuf, op)

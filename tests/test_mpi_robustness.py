@@ -342,7 +342,7 @@ def test_different_collectives_on_ranks_raise_everywhere(lib):
         fn = lambda: lib.Allreduce(x, np.empty_like(x))                     # noqa: E731
     else:
         fn = lambda: lib.Reduce_scatter_block(x, np.empty(300, np.float32))  # noqa: E731
-    raises_everywhere(ValueError, fn, "call differs")
+    raises_everywhere(ValueError, fn, "made different calls")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -16,7 +16,7 @@ from mpi4py import MPI
 from reference import BF16
 
 from equarx_mpi import QuantizedComm
-from equarx_mpi.collectives.exact import largest
+from equarx_mpi.bounds.mpi_bound import largest
 from equarx_mpi.collectives.nodes import FAKE_NODES_ENV, parse_nodes, split_nodes
 from equarx_mpi.collectives.shm import ShmAllreduce
 

@@ -368,10 +368,10 @@ def test_bad_input_same_error_everywhere(gloo):
     # it raises on the ranks that passed it alone)
     if P > 1:
         raises_everywhere(ValueError, lambda: dist.all_reduce(torch.ones(10 + 2 * (R == 0))),
-                          match="different element count")
+                          match="element count differs")
         raises_everywhere(TypeError, lambda: dist.broadcast(
             torch.ones(4, dtype=torch.float32 if R else torch.float64), src=0),
-            match="different dtype")
+            match="dtype differs")
         raises_everywhere(ValueError, lambda: dist.all_reduce(torch.ones(3)) if R == 0
                           else dist.broadcast(torch.ones(3), src=0), match="different calls")
         raises_everywhere(ValueError, lambda: dist.all_to_all_single(

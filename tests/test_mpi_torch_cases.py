@@ -266,13 +266,41 @@ def test_all_to_all_dtypes_differ_between_ranks():
     for theirs in (torch.int32, torch.float64):
         dtype = torch.float32 if R == 0 else theirs
         raises_everywhere(TypeError, lambda: dist.all_to_all_single(
-            torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype)), match="different dtype")
+            torch.zeros(n, dtype=dtype), torch.ones(n, dtype=dtype)), match="dtype differs")
         raises_everywhere(TypeError, lambda: dist.all_to_all(
             [torch.zeros(2, dtype=dtype) for _ in range(P)],
-            [torch.ones(2, dtype=dtype) for _ in range(P)]), match="different dtype")
+            [torch.ones(2, dtype=dtype) for _ in range(P)]), match="dtype differs")
 
 
 # --- point to point -----------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["mpi", "ring"])
+def test_a_call_agrees_once(monkeypatch, algorithm):
+    """One agreement per all_reduce and reduce_scatter (issue "one home"):
+    the group's fields ride on its QuantizedComm's agreement, on MPI's own
+    path and on a quantized one; a mismatch is still caught everywhere."""
+    from equarx_mpi.call import agree
+    seen = []
+    real = agree.agree
+
+    def counted(*args, **kw):
+        seen.append(args[1])
+        return real(*args, **kw)
+    for module in ("equarx_mpi.torch.group", "equarx_mpi.comm"):
+        monkeypatch.setattr(f"{module}.agree", counted)
+    g = dist.new_group(backend="equarx",
+                       pg_options=eqt.Options(algorithm=algorithm, min_quantized_bytes=0))
+    x, out = torch.ones(4096 * P), torch.empty(4096)
+    seen.clear()
+    dist.all_reduce(x, group=g)
+    dist.reduce_scatter_tensor(out, x, group=g)
+    dist.all_reduce(x, group=g, async_op=True).wait()
+    everywhere(seen == ["all_reduce", "reduce_scatter_tensor", "all_reduce"], str(seen))
+    raises_everywhere(ValueError, lambda: dist.all_reduce(
+        torch.ones(10 + R), group=g), match="element count differs")
+    dist.destroy_process_group(g)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_dropped_isend_is_delivered():
     """The sender keeps neither the Work nor the tensor: the group does,

@@ -40,14 +40,13 @@ are inside the collective: it ends the job with ``Abort``, as a failure
 inside a blocking quantized call does.
 """
 import atexit
-import collections
 import sys
 import threading
 import weakref
 
 from mpi4py import MPI
 
-from equarx_mpi.collectives.counting import background_thread
+from equarx_mpi.collectives.background import OrderedQueue, in_background
 
 #: the error of a call on a freed communicator (QuantizedComm's own text)
 FREED = "equarx_mpi: this QuantizedComm has been freed"
@@ -72,22 +71,18 @@ class Request(MPI.Grequest):
         return super().Test(status)
 
 
-class Executor:
-    """Runs calls one at a time in the order they were made; started on
-    the first nonblocking call."""
+class Executor(OrderedQueue):
+    """Runs calls one at a time in the order they were made
+    (collectives/background.py); ``submit`` returns a Request."""
 
     def __init__(self):
-        self._cv = threading.Condition()
-        self._queue = collections.deque()
-        self._pending = 0                 # queued or running
-        self._thread = None
-        self.closed = False
-        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        # queued calls finish before mpi4py's own exit handler (registered
+        # earlier, run later) finalizes MPI
+        super().__init__("equarx_mpi progress", at_exit=self._drain_at_exit)
 
-    def run(self, fn, arg):
-        """Run fn(arg) here, after everything queued before it."""
-        self.drain()
-        return fn(arg)
+    def _drain_at_exit(self):
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().drain())
 
     def submit(self, fn, arg):
         """Queue fn(arg); a Request completed when it has run."""
@@ -95,81 +90,35 @@ class Executor:
             raise ValueError(FREED)
         g = MPI.Grequest.Start()
         req = Request(g)._setup()
-        if not self.threaded:
-            self._finish(g, req, self.run(fn, arg))
-            return req
-        with self._cv:
-            if self._thread is None:
-                self._thread = background_thread(self._loop, "equarx_mpi progress")
-                # queued calls finish before mpi4py's own exit handler
-                # (registered earlier, run later) finalizes MPI
-                ref = weakref.ref(self)
-                atexit.register(lambda: ref() is not None and ref().drain())
-            self._queue.append((fn, arg, g, req))
-            self._pending += 1
-            self._cv.notify_all()
+
+        def done(info, exc):
+            if exc is not None:
+                _failed(exc)
+            # g is the thread's own handle object: the caller may be in
+            # MPI_Waitall on req (the same MPI request) while this completes it
+            req.info = info
+            g.Complete()
+            req._done.set()
+        super().submit(lambda: fn(arg), done)
         return req
 
     def note(self, fn, arg):
         """fn(arg), bookkeeping with no communication, after every call
         queued before it: now if none is pending, else in the thread."""
-        with self._cv:
-            if self._pending:
-                self._queue.append((fn, arg, None, None))
-                self._pending += 1
-                self._cv.notify_all()
-                return
-        fn(arg)
+        self.after(lambda: fn(arg), lambda _, exc: exc is not None and _failed(exc))
 
-    def drain(self):
-        with self._cv:
-            while self._pending:
-                self._cv.wait()
 
-    def close(self):
-        self.drain()
-        self.closed = True
-        if self._thread is not None:
-            with self._cv:
-                self._queue.append(None)
-                self._cv.notify_all()
-            self._thread.join()
-            self._thread = None
-
-    @staticmethod
-    def _finish(g, req, info):
-        # g is the thread's own handle object: the caller may be in
-        # MPI_Waitall on req (the same MPI request) while this completes it.
-        req.info = info
-        g.Complete()
-        req._done.set()
-
-    def _loop(self):
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                item = self._queue.popleft()
-            if item is None:
-                return
-            fn, arg, g, req = item
-            try:
-                info = fn(arg)
-            except BaseException as exc:   # peers are inside the collective
-                # COMM_WORLD: the library's communicator may be the cause
-                sys.stderr.write(f"equarx_mpi: rank {MPI.COMM_WORLD.Get_rank()}: a queued "
-                                 f"call failed, aborting the job: {exc!r}\n")
-                sys.stderr.flush()
-                MPI.COMM_WORLD.Abort(1)
-                raise
-            if g is not None:
-                self._finish(g, req, info)
-            # while it waits for the next call, the thread must not keep this
-            # one's buffers alive (numpy's resize() refuses referenced arrays)
-            item = fn = arg = g = req = info = None
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
+def _failed(exc):
+    """A queued call failed: its peers are inside the collective.  (Run at
+    once, without MPI_THREAD_MULTIPLE, it is the caller's, as a blocking
+    call's.)"""
+    if not in_background():
+        raise exc
+    # COMM_WORLD: the library's communicator may be the cause
+    sys.stderr.write(f"equarx_mpi: rank {MPI.COMM_WORLD.Get_rank()}: a queued "
+                     f"call failed, aborting the job: {exc!r}\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
 
 
 class PersistentRequest:

@@ -2,7 +2,7 @@
 prepared (QuantizedComm._prepare) and only carried out when it runs.
 
 A quantized call's bound is its schedule's (the trailers, bound.Tally).
-An exact call's is MPI's summation bound (exact.error_bound), which for a
+An exact call's is MPI's summation bound (mpi_bound.error_bound), which for a
 float SUM needs M, the largest finite input magnitude over all ranks:
 
     FIXED     no M needed: 0 where MPI's result is exact (MAX, MIN,
@@ -25,9 +25,8 @@ float SUM needs M, the largest finite input magnitude over all ranks:
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi.bounds import bound
+from equarx_mpi.bounds import bound, mpi_bound
 from equarx_mpi.bounds.tolerance import budget
-from equarx_mpi.collectives import exact
 from equarx_mpi.names import EXACT
 
 FIXED, AGREED, WINDOW, AT_RUN, UNKNOWN, SCHEDULE = (
@@ -46,7 +45,7 @@ def bound_source(what, opname, dtype, P, method, nbytes, later, agreed, moved, t
         return SCHEDULE
     if moved:           # each rank's input moved: the bound counts by how much
         return AT_RUN
-    if not nbytes or not exact.sums_floats(what, opname, dtype, P):
+    if not nbytes or not mpi_bound.sums_floats(what, opname, dtype, P):
         return FIXED
     if tolerant:
         return AGREED
@@ -65,7 +64,7 @@ def settle(opts, c, P, M, comm):
     (a sum of zeros is exact on any path); ValueError (the same on every
     rank: M is) when the tolerance cannot be met.  Returns M."""
     if M is None:
-        m = np.array([bound.to_bits(exact.largest((c.recv if c.send is None
+        m = np.array([bound.to_bits(mpi_bound.largest((c.recv if c.send is None
                                                    else c.send).reshape(-1)))], np.int64)
         comm.Allreduce(MPI.IN_PLACE, m, MPI.MAX)
         M = bound.from_bits(m[0])

@@ -45,7 +45,7 @@ def check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok=False):
     in_place = is_in_place(sendbuf)
     reduces = what != "Allgather"
     recv = None
-    meta = [("call", what), ("op", op_name(op) if isinstance(op, MPI.Op) else "none")]
+    meta = [("op", op_name(op) if isinstance(op, MPI.Op) else "none")]
     try:
         if reduces and not isinstance(op, MPI.Op):
             raise TypeError(f"{what}: op must be an MPI.Op such as MPI.SUM, not {op!r}")

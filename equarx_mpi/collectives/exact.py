@@ -16,12 +16,10 @@ magnitudes with one more 16-byte Allreduce (only when blocks were flagged):
 each rank's largest magnitude among the values it contributes (summed: at
 least every position's sum of magnitudes) and the error its input already
 carries."""
-import math
-
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi.bounds import bound
+from equarx_mpi.bounds import bound, mpi_bound
 from equarx_mpi.names import BFLOAT16
 
 _HALF_DTYPES = (np.dtype(np.float16), BFLOAT16)
@@ -139,62 +137,15 @@ def fix_reduce_scatter(comm, ranges, src, out, op, rank, m, local):
     return idx.size, _fix_bound(comm, vals.dtype, op, largest_here, 0.0), most
 
 
-#: ops whose MPI result is exact (no rounding)
-_EXACT_OPS = ("max", "min", "MAXLOC", "MINLOC", "LAND", "BAND", "LOR", "BOR", "LXOR", "BXOR",
-              "REPLACE", "NO_OP")
-
-
-def sums_floats(what, opname, dtype, P):
-    """Whether an exact call adds floats (its bound needs the inputs'
-    largest magnitude)."""
-    return (P > 1 and what != "Allgather" and dtype is not None and opname == "sum"
-            and _floats(dtype))
-
-
-def _floats(dtype):
-    """Float or complex, bfloat16 included (numpy calls its kind 'V')."""
-    return np.dtype(dtype).kind in "fc" or np.dtype(dtype) == BFLOAT16
-
-
-def error_bound(what, opname, dtype, P, most):
-    """The error bound of an exact call: 0 where MPI's result is exact (one
-    rank, Allgather, MAX, MIN, integers: exact unless they overflow); for a
-    float or complex SUM MPI's own summation bound, from ``most``, the
-    largest finite input magnitude on any rank (None: not known, Inf);
-    Inf for any other op on floats (PROD, user-defined) or an unknown
-    dtype (None)."""
-    if P == 1 or what == "Allgather":
-        return 0.0
-    if dtype is None:
-        return math.inf
-    if not _floats(dtype) or opname in _EXACT_OPS:
-        return 0.0
-    if opname != "sum" or most is None:
-        return math.inf
-    return bound.mpi_sum(dtype, P, P * most)
-
-
-def largest(a):
-    """The largest finite magnitude of a flat float or complex array (its
-    components), in one pass."""
-    if a.dtype.kind == "c":
-        a = a.view(np.dtype(f"f{a.dtype.itemsize // 2}"))
-    kd = bound.kernel_dtype(a.dtype)
-    if kd in bound.ROUNDING:
-        return bound.largest(a.view(kd))
-    v = np.abs(a)                       # long double: beyond float64 gives Inf
-    return float(v[np.isfinite(v)].max(initial=0))
-
-
 def bound_now(comm, what, opname, send, recv, e_own=0.0):
     """error_bound of a call whose inputs are only known now (a persistent
     request, error feedback): one MAX Allreduce finds the largest
     magnitude and the largest ``e_own`` (how far a rank's values are from
     its caller's); each rank's moves add up."""
-    most = np.array([bound.to_bits(largest(recv if send is None else send)),
+    most = np.array([bound.to_bits(mpi_bound.largest(recv if send is None else send)),
                      bound.to_bits(e_own)], np.int64)
     comm.Allreduce(MPI.IN_PLACE, most, MPI.MAX)
     P = comm.Get_size()
-    err = error_bound(what, opname, recv.dtype, P, bound.from_bits(most[0]))
+    err = mpi_bound.error_bound(what, opname, recv.dtype, P, bound.from_bits(most[0]))
     moved = bound.from_bits(most[1])
     return err if not moved else (err + P * moved) * bound.SLACK

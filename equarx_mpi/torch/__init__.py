@@ -14,11 +14,11 @@ missing its variables take them from MPI (rendezvous.py); it sends no
 message.  The core library never imports torch; this package needs
 torch >= 2.2 (``pip install "equarx_mpi[torch]"``).
 
-Layout: ``tensors.py`` (views, dtypes, ops, local checks), ``agree.py``
-(one error on every rank), ``work.py`` (Work, futures, the queue),
-``calls.py`` (what each collective runs), ``group.py`` (the process
-group), ``rendezvous.py`` (store and communicators), ``hook.py`` (the DDP
-communication hook).
+Layout: ``tensors.py`` (views, dtypes, ops, local checks), ``work.py``
+(Work, futures, the queue), ``calls.py`` (what each collective runs, the
+group's QuantizedComm), ``group.py`` (the process group, agreeing through
+the library's call/agree.py), ``rendezvous.py`` (store and
+communicators), ``hook.py`` (the DDP communication hook).
 """
 try:
     import torch  # noqa: F401

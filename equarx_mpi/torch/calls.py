@@ -9,14 +9,43 @@ bytes go as one derived datatype).  A contiguous copy is made here, when
 the call runs, not when it is queued: an earlier queued call may still be
 writing the tensor."""
 import contextlib
+import threading
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.torch.tensors import AVG, array, contiguous, from_bytes, mpi_op, raw, stage
 
 _IN_PLACE = MPI.IN_PLACE
+
+
+class GroupComm(QuantizedComm):
+    """A group's QuantizedComm.  A call the group runs agrees once: its
+    agreement goes through the group's (``agreeing``), with the group's
+    fields and time limit, on every path (MPI's own too, as with
+    check="all"); a call made on it directly (``qcomm``) agrees on its own."""
+
+    def __init__(self, comm, **options):
+        super().__init__(comm, **options)
+        self._agree_all = bool(self.check)
+        self._through = threading.local()
+
+    @contextlib.contextmanager
+    def agreeing(self, through):
+        """Within: this thread's calls agree by ``through(meta, err, most)``."""
+        self._through.fn = through
+        try:
+            yield
+        finally:
+            self._through.fn = None
+
+    def _agree(self, what, meta, err, most=None):
+        through = getattr(self._through, "fn", None)
+        if through is None:
+            return super()._agree(what, meta, err, most)
+        return through(meta, err, most)
 
 
 def _exactly(qc, exact):

@@ -1,37 +1,34 @@
 """The "equarx" process group: torch.distributed's collectives over MPI.
 
-A Python subclass of torch's ProcessGroup whose methods torch.distributed
-calls directly and whose C++ callers (DDP's reducer: the parameter check's
-allgather, the broadcast of the module's state, each gradient bucket's
-allreduce) reach through the pybind trampoline: torch's ProcessGroup
-routes a method through a device's Backend only when Python does not
-override it, so every method a caller may reach is defined here (the
-"No backend type associated with device type cpu" of a partial group).
-torch's C++ Backend has no Python constructor, so no Backend is
-registered; torch builds the group through ``Backend.register_backend``'s
-creator returning the group itself (what torch's own threaded test group
-and torchft's groups do).
+A Python subclass of torch's ProcessGroup: torch routes a method through
+a device's Backend only when Python does not override it, so every method
+a caller may reach (DDP's reducer through the pybind trampoline too) is
+defined here.  torch's C++ Backend has no Python constructor: the
+creator given to ``Backend.register_backend`` returns the group itself
+(as torch's own threaded test group and torchft's groups do).
 
 Every collective checks its tensors where it is called, then, in the
 thread that runs it (work.py: the caller's for a call waited at once, the
-group's queue for ``async_op=True``), agrees across ranks (agree.py: the
-same error everywhere, or none; within the group's timeout) and runs.  all_reduce and
-reduce_scatter go through the group's QuantizedComm, the rest is MPI's
-own (calls.py).  Point-to-point calls are MPI's nonblocking ones, checked
-locally (one rank's error is its own).
+group's queue for ``async_op=True``), agrees across ranks once (the same
+error everywhere, or none, within the group's timeout: call/agree.py) and
+runs.  all_reduce and reduce_scatter go through the group's QuantizedComm,
+the rest is MPI's own (calls.py).  Point-to-point calls are MPI's
+nonblocking ones, checked locally (one rank's error is its own).
 """
 
+import math
 import time
 
 import torch.distributed as dist
 from mpi4py import MPI
 
-from equarx_mpi.comm import QuantizedComm
+from equarx_mpi.call.agree import agree, pairwise
 from equarx_mpi.torch import calls
-from equarx_mpi.torch.agree import agree, pairwise
+from equarx_mpi.torch.calls import GroupComm
 from equarx_mpi.torch.tensors import (
     bad_root,
     check,
+    check_p2p,
     check_reduce,
     fields,
     listed,
@@ -44,6 +41,8 @@ from equarx_mpi.torch.work import KEPT, Executor, P2PWork, Work, free_soon
 
 #: depth of ``equarx_mpi.torch.exact()`` blocks (every group and hook)
 EXACT = [0]
+#: the exception of a mismatch in these fields, as gloo's (else ValueError)
+_KINDS = {"dtype": TypeError}
 
 
 class ProcessGroupEquarx(dist.ProcessGroup):
@@ -63,7 +62,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._ctl = comm.Dup()
         self._data = comm.Dup()
         self._p2p = comm.Dup()          # send/recv, never queued
-        self._qc = QuantizedComm(comm, **self._options)   # (its excepthook aborts the job)
+        self._qc = GroupComm(comm, **self._options)   # (its excepthook aborts the job)
         self._exec = Executor()
         self._size = comm.Get_size()
         self._timeout = timeout if timeout and timeout.total_seconds() > 0 else None
@@ -108,12 +107,13 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         a queued call runs after the caller may have left ``exact()``)."""
         return EXACT[0] > 0 or self.exact_depth > 0
 
-    def _call(self, opts, what, meta, err, fn, result, counts=None):
+    def _call(self, opts, what, meta, err, fn, result, counts=None, qc=None):
         """Agree on the call (``meta``: (name, value) pairs, the local error ``err``; ``counts``:
         the elements (sent, expected) to and from each rank), then fn(): now,
-        or queued if the caller waits later; a Work.  With the option
-        check=False, as MPI itself: a local error is raised here only, and
-        calls that differ between ranks are not caught."""
+        or queued if the caller waits later; a Work.  ``qc``: fn's calls of
+        this GroupComm agree for it (once each, its fields after ``meta``).
+        With the option check=False, as MPI itself: a local error is raised
+        here only, and calls that differ between ranks are not caught."""
         self._usable()
         if not self._qc.options["check"]:
             if err is not None:
@@ -123,8 +123,14 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         def agreed_then_run():
             self._usable()
             deadline = self._deadline()
+
+            def through(more, e=None, most=None):
+                return agree(self._ctl, what, meta + more, err or e, most, deadline, _KINDS)
             try:
-                agree(self._ctl, what, meta, err, deadline)
+                if qc is not None and err is None:
+                    with qc.agreeing(through):
+                        return fn()
+                through([])
                 if counts is not None:
                     pairwise(self._ctl, what, *counts, deadline)
             except TimeoutError:
@@ -138,7 +144,9 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         return self._go(opts, agreed_then_run, result)
 
     def _deadline(self):
-        return None if self._timeout is None else \
+        # a deadline even without a limit: the agreement is then nonblocking,
+        # as it must be in the queue's thread (call/agree.py)
+        return math.inf if self._timeout is None else \
             time.monotonic() + self._timeout.total_seconds()
 
     def _go(self, opts, fn, result):
@@ -156,7 +164,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._usable()
         merged = dict(self._options, **options)
         self._exec.drain()
-        qc = QuantizedComm(self._base, **merged)      # bad options: raised on every rank
+        qc = GroupComm(self._base, **merged)      # bad options: raised on every rank
         self._qc.free()
         self._qc, self._options = qc, merged
         return qc.options
@@ -200,7 +208,8 @@ class ProcessGroupEquarx(dist.ProcessGroup):
             err = TypeError("equarx: all_reduce_coalesced: tensors of several dtypes mixed")
         qc, exact = self._qc, self._exact_now()
         return self._call(opts, "all_reduce", [("op", str(op))] + fields(tensors), err,
-                          lambda: calls.allreduce(qc, self._size, tensors, op, exact), tensors)
+                          lambda: calls.allreduce(qc, self._size, tensors, op, exact), tensors,
+                          qc=qc)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
@@ -216,7 +225,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         return self._call(opts, "reduce_scatter_tensor",
                           [("op", str(op))] + fields([output, input]), err,
                           lambda: calls.reduce_scatter(qc, self._size, output, input, op, exact),
-                          [output])
+                          [output], qc=qc)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         outputs, op = listed(outputs), red_op(opts) if opts is not None else dist.ReduceOp.SUM
@@ -232,7 +241,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
             for o, lst in zip(outputs, input_lists):
                 calls.reduce_scatter(qc, self._size, o, lst, op, exact)
         return self._call(opts, "reduce_scatter", [("op", str(op))] + fields(outputs), err,
-                          run, outputs)
+                          run, outputs, qc=qc)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
@@ -364,13 +373,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
 
     # --- point to point: MPI's nonblocking calls, local checks ---------------------------
     def _p2p_check(self, what, tensors, peer, tag):
-        err = check(what, tensors, out=what == "recv")
-        if err is None and peer is not None and not 0 <= peer < self._size:
-            err = ValueError(f"equarx: {what}: rank {peer} is not in this group of {self._size}")
-        if err is None and not 0 <= tag <= self._p2p.Get_attr(MPI.TAG_UB):
-            err = ValueError(f"equarx: {what}: tag {tag} is outside MPI's 0..TAG_UB")
-        if err is None and len(tensors) != 1:
-            err = ValueError(f"equarx: {what} takes one tensor, not {len(tensors)}")
+        err = check_p2p(what, tensors, peer, self._size, tag, self._p2p.Get_attr(MPI.TAG_UB))
         self._usable()
         if err is not None:
             raise err

@@ -108,6 +108,19 @@ def fields(tensors):
     return out
 
 
+def check_p2p(what, tensors, peer, size, tag, tag_ub):
+    """The error value of a send or receive of ``tensors`` with rank
+    ``peer`` (None: any) of a group of ``size``, or None."""
+    err = check(what, tensors, out=what == "recv")
+    if err is None and peer is not None and not 0 <= peer < size:
+        err = ValueError(f"equarx: {what}: rank {peer} is not in this group of {size}")
+    if err is None and not 0 <= tag <= tag_ub:
+        err = ValueError(f"equarx: {what}: tag {tag} is outside MPI's 0..TAG_UB")
+    if err is None and len(tensors) != 1:
+        err = ValueError(f"equarx: {what} takes one tensor, not {len(tensors)}")
+    return err
+
+
 def same_kind(what, tensors, like):
     """The error value if some tensor's dtype or element count differs
     from ``like``'s (the input of a gather, say), else None."""

@@ -28,40 +28,13 @@ Needs MPI_THREAD_MULTIPLE (mpi4py's default); without it every call runs
 at once, in the caller's thread.
 """
 import atexit
-import collections
 import threading
-import time
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from equarx_mpi.collectives.counting import background_thread, in_background
-
-
-def wait_until(req, deadline):
-    """Complete MPI request ``req``; False if ``deadline`` (time.monotonic(),
-    or None: none) passes first (the request is then still active).  In
-    the caller's thread it spins, as MPI's blocking calls do; the library's
-    background threads spin for SPIN seconds (peers in step answer within
-    it), then poll with growing pauses (collectives/counting.py)."""
-    polite, pause, n = in_background(), 1e-5, 0
-    patient = time.monotonic() + SPIN
-    while not req.Test():
-        n += 1
-        if n % 64:
-            continue
-        now = time.monotonic()
-        if deadline is not None and now > deadline:
-            return False
-        if polite and now > patient:
-            time.sleep(pause)
-            pause = min(2 * pause, 2.5e-4)
-    return True
-
-
-#: how long a background thread spins on a request before it sleeps
-SPIN = 1e-4
+from equarx_mpi.collectives.background import OrderedQueue, background_thread
 
 
 class Work(dist.Work):
@@ -186,84 +159,27 @@ class P2PWork(Work):
     source_rank = _source_rank
 
 
-class Executor:
-    """Runs a group's calls in the order they are made: queued ones in its
-    thread (started on the first), the others in the caller's thread once
-    everything queued before them has finished."""
+class Executor(OrderedQueue):
+    """Runs a group's calls in the order they are made
+    (collectives/background.py); ``submit`` returns a Work."""
 
     def __init__(self):
-        self._cv = threading.Condition()
-        self._queue = collections.deque()
-        self._pending = 0
-        self._thread = None
-        self.closed = False
-        self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-    def in_thread(self):
-        return self._thread is not None and threading.current_thread() is self._thread
-
-    def run(self, fn):
-        """fn() here, after every queued call (at once in the thread itself)."""
-        if not self.in_thread():
-            self.drain()
-        fn()
+        super().__init__("equarx queue")
 
     def submit(self, fn, result):
         """Queue fn(); a Work with ``result`` that completes when it has run."""
         if self.closed:
             raise RuntimeError("equarx: this process group has been shut down")
         work = Work(result, done=False)
-        if not self.threaded:
-            self._execute(fn, work)
-            return work
-        with self._cv:
-            if self._thread is None:
-                self._thread = background_thread(self._loop, "equarx queue")
-            self._queue.append((fn, work))
-            self._pending += 1
-            self._cv.notify_all()
+        super().submit(fn, lambda _, error: work._finish(error))
         return work
-
-    def drain(self):
-        with self._cv:
-            while self._pending:
-                self._cv.wait()
 
     def close(self):
         """Finish what is queued, then stop the thread."""
         if self.in_thread():
             raise RuntimeError("equarx: a process group cannot be shut down from its own "
                                "callbacks")
-        self.drain()
-        self.closed = True
-        if self._thread is not None:
-            with self._cv:
-                self._queue.append(None)
-                self._cv.notify_all()
-            self._thread.join()
-            self._thread = None
-
-    @staticmethod
-    def _execute(fn, work):
-        try:
-            fn()
-        except Exception as e:      # noqa: BLE001 - the Work's to raise
-            work._finish(e)
-            return
-        work._finish(None)
-
-    def _loop(self):
-        while True:
-            with self._cv:
-                while not self._queue:
-                    self._cv.wait()
-                item = self._queue.popleft()
-            if item is None:
-                return
-            self._execute(*item)
-            with self._cv:
-                self._pending -= 1
-                self._cv.notify_all()
+        super().close()
 
 
 #: frees of shut-down groups still waiting for their peers (joined at exit)

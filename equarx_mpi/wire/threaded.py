@@ -16,11 +16,8 @@ import threading
 
 import numpy as np
 
-#: the fewest values a thread gets (4 MiB of float32): on the 2-core KVM
-#: machine of docs/PERFORMANCE.md "Threads inside a rank" the ring's hop on
-#: two threads was 0.90x one at a 4 MiB piece, 1.20x at 8 MiB and 1.41x at
-#: 16 MiB (a handoff to another thread costs about 70 us there, and the
-#: parts' data must move to the other core's cache)
+#: the fewest values a thread gets (4 MiB of float32): below, a handoff costs
+#: more than it saves (docs/PERFORMANCE.md "Threads inside a rank")
 MIN_PART = 1 << 20
 
 
