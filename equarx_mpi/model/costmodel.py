@@ -46,14 +46,11 @@ profile everyone's (profiles.agreed).
 import math
 
 from equarx_mpi.collectives.pieces import chunks
+from equarx_mpi.collectives.registry import SCHEDULES
+from equarx_mpi.collectives.terms import ONESHOT_BYTES  # noqa: F401 (the tests')
+from equarx_mpi.collectives.terms import variant as _variant  # tune predict's and the tests'
 from equarx_mpi.model.errors import E1, STOCHASTIC, error, pow2_floor  # noqa: F401 (the model's)
-from equarx_mpi.model.physical import (  # noqa: F401 (tune predict's and the tests')
-    ONESHOT_BYTES,
-    SCHEDULES,
-    _physical,
-    _variant,
-    mpi_parts,
-)
+from equarx_mpi.model.physical import _physical, mpi_parts  # noqa: F401 (tune predict's)
 from equarx_mpi.names import between_nodes
 from equarx_mpi.wire import formats
 from equarx_mpi.wire.threaded import MIN_PART
@@ -227,8 +224,8 @@ def _like_int8(int8, wire):
 
 
 #: where no profile measured a method, its prediction is corrected by the
-#: measurements of the one it runs most like (the ring's hops and pieces)
-CORRECTED_LIKE = {"rabenseifner": "ring"}
+#: measurements of the one it runs most like (its Schedule's corrected_like)
+CORRECTED_LIKE = {name: s.corrected_like for name, s in SCHEDULES.items() if s.corrected_like}
 
 
 #: Sizes the model is tabulated at: quarter octaves from 256 B to 28 GiB.
@@ -292,11 +289,12 @@ class Model:
         """Pieces per shard, as the engine cuts them (pieces.chunks)."""
         if self.chunks is not None:
             return self.chunks
-        if method == "hierarchical":
-            return _default_chunks(False, nbytes / (self.rpn * self.nodes))
-        if method in SCHEDULES:
-            return _default_chunks(self.nodes == 1, nbytes / (self.rpn * self.nodes))
-        return 1
+        sched = SCHEDULES.get(method)
+        if sched is None:
+            return 1
+        # a nested schedule's pieces travel between nodes
+        return _default_chunks(self.nodes == 1 and not sched.nested,
+                               nbytes / (self.rpn * self.nodes))
 
     def physical(self, method, nbytes, itemsize, dtype_name="float32"):
         """The physical model alone (no correction by measurements)."""

@@ -7,6 +7,8 @@ float32 values (per wire and block size), times sqrt(the sum of the
 variances it quantizes / the result's): a partial sum of s inputs has
 variance s, its block scale and so its quantization error grow by
 sqrt(s), and the errors of different quantizations are independent.
+Each schedule declares that sum as its ``variance(P)`` (in its module,
+collectives/registry.py lists them):
 
 - ring: every value is requantized at P-1 hops holding partial sums of 1,
   2, ..., P-1 inputs, and the owner quantizes the whole sum:
@@ -27,7 +29,9 @@ sqrt(s), and the errors of different quantizations are independent.
 """
 import math
 
-from equarx_mpi.names import between_nodes
+from equarx_mpi.collectives.registry import SCHEDULES
+from equarx_mpi.collectives.terms import pow2_floor  # noqa: F401 (costmodel's)
+from equarx_mpi.names import EXACT, between_nodes
 
 #: Relative L2 error of ONE quantization of standard-normal float32 values,
 #: per wire and block size (docs/TUNING.md "Error model"); measured through
@@ -55,26 +59,16 @@ E1 = {
 STOCHASTIC = math.sqrt(2)
 
 
-def pow2_floor(P):
-    """P', the largest power of two <= P: the ranks left to recursive
-    halving / doubling once the other P - P' are folded into partners."""
-    return 1 << (int(P).bit_length() - 1)
-
-
 def error(method, wire, block, P, nodes, rounding="nearest"):
     """Relative L2 error of ``method``'s Allreduce on standard-normal data
     (0 for the exact methods) with SUM's codes rounded by ``rounding``.
     Used for the halves too, as an upper bound."""
-    if method in ("mpi", "shm", "copy") or P == 1:
+    if method in EXACT or P == 1:
         return 0.0
-    e1 = E1[wire][block] * (STOCHASTIC if rounding == "stochastic" else 1.0)
-    if method == "ring":
-        return e1 * math.sqrt((P + 1) / 2)
-    if method == "two_shot":
-        return e1 * math.sqrt(2 - 1 / P)
-    if method == "rabenseifner":
-        Pp = pow2_floor(P)
-        return e1 * math.sqrt(1 + (Pp.bit_length() - 1) / 2 + (P - Pp) / P)
-    if method == "hierarchical":
+    sched = SCHEDULES.get(method)
+    if sched is None:
+        raise ValueError(f"no method {method!r}")
+    if sched.nested:
         return error(between_nodes(wire), wire, block, nodes, nodes, rounding)
-    raise ValueError(f"no method {method!r}")
+    e1 = E1[wire][block] * (STOCHASTIC if rounding == "stochastic" else 1.0)
+    return e1 * math.sqrt(sched.variance(P))
