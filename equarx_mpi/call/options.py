@@ -24,8 +24,8 @@ import warnings
 import numpy as np
 
 from equarx_mpi.collectives.registry import SCHEDULES
-from equarx_mpi.names import STOCHASTIC_WIRES
 from equarx_mpi.wire import formats
+from equarx_mpi.wire.formats import STOCHASTIC_WIRES
 
 #: auto, the quantized schedules (collectives/registry.py), the exact ones
 ALGORITHMS = ("auto",) + tuple(SCHEDULES) + ("shm", "mpi")

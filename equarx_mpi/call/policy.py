@@ -23,7 +23,6 @@ import numpy as np
 from equarx_mpi.call.options import disabled
 from equarx_mpi.collectives.registry import KINDS, SCHEDULES
 from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
-    DIRECTED_WIRES,
     EXACT,
     KERNEL_OP,
     QUANTIZED_DTYPES,
@@ -31,6 +30,7 @@ from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
     dtype_name,
     rounding,
 )
+from equarx_mpi.wire.formats import DIRECTED_WIRES
 
 #: auto takes the exact shared window from this size only: below it the
 #: window's two synchronizations cost more than MPI's own small-message

@@ -211,10 +211,8 @@ def node_copy(profile):
 
 
 #: a wire's kernel time over int8's (encode, decode, decode_reduce and many,
-#: hop) where a profile has int8's only: docs/results/formats-kernels.txt, one
-#: core, wires interleaved, default blocks; bf16, fp32 (not there): as int8
-SLOWER = {"int4": (1.30, 1.11, 1.33, 1.72), "fp8": (1.73, 1.19, 1.31, 2.38),
-          "int8-affine": (1.47, 1.35, 1.35, 2.63), "int4-affine": (1.75, 1.72, 1.60, 3.33)}
+#: hop) where a profile has int8's only: each wire's own (formats.REGISTRY)
+SLOWER = {name: w.slower for name, w in formats.REGISTRY.items()}
 
 
 def _like_int8(int8, wire):
