@@ -29,7 +29,9 @@ the one it runs like (CORRECTED_LIKE: rabenseifner the ring's).  MPI's own
 Allreduce is modelled the same way: the best of a ring, recursive doubling
 and Rabenseifner (mpi_parts), times what was measured.
 
-The formulas, and where ranks sit, are in physical.py.
+The formulas: each schedule's in its module (collectives/registry.py
+lists them), the terms they share and where ranks sit in
+collectives/terms.py, the exact methods' in physical.py.
 
 Kernel threads (option ``threads``; ``Model(..., threads=T)``, default 1:
 the model without them, bit for bit): a kernel call runs over as many
