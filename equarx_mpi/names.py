@@ -36,11 +36,6 @@ ROUNDING = {"sum": ROUND_NEAREST, "max": ROUND_UP, "min": ROUND_DOWN}
 #: the methods that are exact; every other method is a quantized schedule
 EXACT = ("copy", "mpi", "shm")
 
-#: wires whose codes can round up or down (MAX / MIN with ``lossy_ops``)
-DIRECTED_WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine")
-#: wires that can round stochastically (rounding="stochastic")
-STOCHASTIC_WIRES = ("int8", "int4")
-
 
 class Layout(NamedTuple):
     """Where the ranks are: the same on every rank."""

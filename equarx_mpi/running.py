@@ -13,6 +13,7 @@ from equarx_mpi.call.records import CallInfo, uncompressed_bytes
 from equarx_mpi.collectives import exact
 from equarx_mpi.collectives.background import in_background
 from equarx_mpi.collectives.engine import Engine
+from equarx_mpi.collectives.registry import SCHEDULES
 from equarx_mpi.names import between_nodes
 
 
@@ -79,7 +80,7 @@ class Running:
         return 0, err, None
 
     def _schedule(self, c, e_own):
-        """The ring or two-shot: the engine, with the call's budget."""
+        """A schedule the engine runs, with the call's budget."""
         e = self._engine
         e.budget = c.budget
         if c.what == "Allgather":
@@ -136,8 +137,7 @@ class Running:
         return self._hier, self._between
 
 
-#: method -> its runner
+#: method -> its runner: the engine for every schedule it runs
 _RUN = {"copy": Running._copy, "mpi": Running._mpi, "shm": Running._shm,
-        "ring": Running._schedule, "two_shot": Running._schedule,
-        "rabenseifner": Running._schedule,
-        "hierarchical": Running._hierarchical}
+        "hierarchical": Running._hierarchical,
+        **{name: Running._schedule for name, s in SCHEDULES.items() if s.run is not None}}

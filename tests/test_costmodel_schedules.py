@@ -14,6 +14,7 @@ import pytest
 
 from equarx_mpi import names
 from equarx_mpi.call import policy
+from equarx_mpi.collectives import rabenseifner, terms
 from equarx_mpi.model import costmodel, physical, profiles
 
 SIZES = [1 << k for k in range(6, 33)] + [3 << 20, 5000, 123457]
@@ -120,7 +121,7 @@ def test_ideal_mpi_is_the_best_of_its_three_parts():
 def test_mpi_rabenseifner_keeps_its_large_steps_on_the_node():
     """MPI pairs ranks at distance 1 first: with 8 ranks per node the
     halves of n/2 .. n/8 are copies on the node and the link carries
-    (1 - 1/N) n per phase; the library's order (RABENSEIFNER_FAR_FIRST)
+    (1 - 1/N) n per phase; the library's order (rabenseifner.FAR_FIRST)
     puts the large steps on the link, shared by the node's 8 ranks."""
     hw = _bare(128, 8, alpha=0.0, kernels=False)
     hw = costmodel._variant(hw, alpha=0.0, beta=0.0, copy=0.0)
@@ -129,24 +130,23 @@ def test_mpi_rabenseifner_keeps_its_large_steps_on_the_node():
         2 * (1 - 1 / 128) * n * hw.net_beta, rel=1e-9)
     far = _phys("rabenseifner", hw, n, 4.0)
     assert far == pytest.approx(2 * 8 * (1 - 1 / 128) * n * hw.net_beta, rel=1e-9) \
-        if physical.RABENSEIFNER_FAR_FIRST else far == pytest.approx(
+        if rabenseifner.FAR_FIRST else far == pytest.approx(
             2 * (1 - 1 / 128) * n * hw.net_beta, rel=1e-9)
     # a node size that is not a power of two: the partners counted
-    assert physical._crossing(costmodel._variant(hw, rpn=6), 4) == 2     # ranks 2, 3
-    assert physical._crossing(costmodel._variant(hw, rpn=6), 8) == 6
+    assert terms.crossing(costmodel._variant(hw, rpn=6), 4) == 2     # ranks 2, 3
+    assert terms.crossing(costmodel._variant(hw, rpn=6), 8) == 6
 
 
 def test_the_model_pairs_rabenseifner_as_the_schedule_does():
-    """physical.RABENSEIFNER_FAR_FIRST follows collectives/rabenseifner.py:
-    rank 0's partners, step by step, at 8 ranks."""
-    from equarx_mpi.collectives import rabenseifner
+    """rabenseifner.FAR_FIRST (its cost's order) follows its Plan: rank 0's
+    partners, step by step, at 8 ranks."""
     from equarx_mpi.wire import formats
     fmt = formats.make_format("int8", 256, np.dtype(np.float32))
     P = 8
     plan = rabenseifner.Plan("allreduce", fmt, [(i * 256, 256) for i in range(P)], 0, 1, 256,
                              1 << 20, lambda nbytes: np.zeros(nbytes, np.uint8))
     assert [partner for partner, _, _ in plan.steps] == [
-        d for d, _ in physical._halving(P, physical.RABENSEIFNER_FAR_FIRST)]
+        d for d, _ in terms.halving(P, rabenseifner.FAR_FIRST)]
 
 
 @pytest.mark.parametrize("wire", ["int8", "int4", "fp8", "int8-affine", "int4-affine",
@@ -311,3 +311,24 @@ def _error_table(Ps=(2, 3, 4, 6, 8, 12, 16, 32, 64, 128)):
 
 if __name__ == "__main__":
     _error_table()
+
+
+def test_one_declaration_per_schedule_feeds_every_list():
+    """collectives/registry.py is the one list: the options, the engine's
+    kernels, the runner, the cost and error models all read it, and they
+    read it without starting MPI (tune predict runs outside mpirun)."""
+    import subprocess
+    import sys
+
+    from equarx_mpi.call import options
+    from equarx_mpi.collectives import engine, registry
+    names_ = list(registry.SCHEDULES)
+    assert options.ALGORITHMS == ("auto", *names_, "shm", "mpi")
+    assert {a for a, _ in engine.NEEDS} == {n for n, s in registry.SCHEDULES.items() if s.run}
+    m = model(2, 4, "int8", 256)
+    for name, s in registry.SCHEDULES.items():
+        assert (s.variance is None) == s.nested and s.kinds, name
+        assert 0 < m.time(name, 1 << 20, 4) < math.inf and 0 < m.error(name) < 1, name
+    code = ("import sys, equarx_mpi.model.costmodel, equarx_mpi.call.policy; "
+            "sys.exit('mpi4py.MPI' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 from mpi_helpers import everywhere, rank0_draws
 
-from equarx_mpi import QuantizedComm, names
+from equarx_mpi import QuantizedComm
 from equarx_mpi.wire import formats
 
 pytestmark = pytest.mark.mpi(min_size=1)
@@ -90,7 +90,7 @@ def cases(draw, algorithm, wire):
         algorithm=algorithm, wire=wire, block=block, what=what, n=n,
         op="sum" if what == "Allgather" else draw(st.sampled_from(("sum", "sum", "max", "min"))),
         rounding=draw(st.sampled_from(("nearest", "stochastic")
-                                      if wire in names.STOCHASTIC_WIRES else ("nearest",))),
+                                      if wire in formats.STOCHASTIC_WIRES else ("nearest",))),
         lossy=draw(st.booleans()), in_place=draw(st.booleans()),
         # an Allreduce also nonblocking and persistent (the bound found when it runs)
         form=draw(st.sampled_from(("blocking", "nonblocking", "persistent"))),

@@ -111,13 +111,13 @@ def test_parse_methods():
 def test_method_words_state_the_code_defaults():
     from equarx_mpi.call.options import DEFAULTS
     from equarx_mpi.collectives import pieces
-    from equarx_mpi.wire.base import DEFAULT_BLOCK
+    from equarx_mpi.wire.formats import default_block
     margin = f"{round((DEFAULTS['lossy_margin'] - 1) * 100)}% faster"
     assert margin in METHODS["int8"].about
     assert "floor" in METHODS["int8-nocheck"].about
     for name, wire in (("int4", "int4"), ("int4-aff", "int4-affine")):
-        assert METHODS[name].options["block_size"] == DEFAULT_BLOCK[wire]
-        assert f"block {DEFAULT_BLOCK[wire]} " in METHODS[name].about
+        assert METHODS[name].options["block_size"] == default_block(wire)
+        assert f"block {default_block(wire)} " in METHODS[name].about
     assert margin in METHODS["auto"].about
     assert f"about {common.human(pieces.PIECE_TARGET_BYTES)}" in PIECES
     assert f"at most {pieces.MAX_AUTO_CHUNKS} per shard" in PIECES

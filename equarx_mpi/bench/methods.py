@@ -12,7 +12,7 @@ name options this version does not have yet.  A leaf: imports nothing.
 The words state the library's defaults as numbers (tests/test_tools.py
 checks them against the code): the lossy margin (call/options.py
 DEFAULTS), the wires' own blocks
-(wire/base.py DEFAULT_BLOCK) and the pieces of a shard
+(formats.default_block) and the pieces of a shard
 (collectives/pieces.py).
 """
 from typing import NamedTuple, Optional

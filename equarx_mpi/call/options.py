@@ -23,10 +23,12 @@ import warnings
 
 import numpy as np
 
-from equarx_mpi.names import STOCHASTIC_WIRES
+from equarx_mpi.collectives.registry import SCHEDULES
 from equarx_mpi.wire import formats
+from equarx_mpi.wire.formats import STOCHASTIC_WIRES
 
-ALGORITHMS = ("auto", "ring", "two_shot", "rabenseifner", "hierarchical", "shm", "mpi")
+#: auto, the quantized schedules (collectives/registry.py), the exact ones
+ALGORITHMS = ("auto",) + tuple(SCHEDULES) + ("shm", "mpi")
 LOSSY_OPS = ("sum", "max", "min")
 ROUNDINGS = ("nearest", "stochastic")
 #: No single message exceeds this (MPI counts are 32-bit in many places).

@@ -21,8 +21,8 @@ the fastest wins."""
 import numpy as np
 
 from equarx_mpi.call.options import disabled
+from equarx_mpi.collectives.registry import KINDS, SCHEDULES
 from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
-    DIRECTED_WIRES,
     EXACT,
     KERNEL_OP,
     QUANTIZED_DTYPES,
@@ -30,6 +30,7 @@ from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
     dtype_name,
     rounding,
 )
+from equarx_mpi.wire.formats import DIRECTED_WIRES
 
 #: auto takes the exact shared window from this size only: below it the
 #: window's two synchronizations cost more than MPI's own small-message
@@ -147,37 +148,34 @@ def _predicted(times, m):
     return f"{m} predicted {times[m] * 1e3:.3g} ms"
 
 
-def _hierarchical_fits(what, layout):
-    """The node-aware schedule covers Allreduce across nodes of equal size."""
-    return what == "Allreduce" and layout.uniform and not layout.one_node
+#: how the fall-back reason names a kind of collective
+_KIND_WORDS = {"allreduce": "allreduce", "reduce_scatter": "reduce-scatter",
+               "allgather": "all-gather"}
 
 
 def _lossy_candidates(opts, what, layout, error, feedback):
     """(quantized methods this call may take, and why, in words): the
     algorithm asked for, or under auto every one that fits the call, the
-    wire and ``accuracy`` (``error``: a method's predicted error)."""
+    layout, error feedback and ``accuracy`` (``error``: a method's
+    predicted error), in the registry's order (collectives/registry.py)."""
     alg, acc = opts["algorithm"], opts["accuracy"]
     if acc == "exact":
         return [], "accuracy='exact'"
+    # another name (crossover() takes any): a reduction, not an Allreduce
+    kind = KINDS.get(what, "reduce_scatter")
     if alg == "auto":
-        cands = ["ring"]
-        if what != "Allgather":
-            cands.append("two_shot")
-            # its partial sums live in an accumulator error feedback cannot follow
-            if not feedback:
-                cands.append("rabenseifner")
-        # with one rank per node it is two-shot plus a window step that sums
-        # nothing: never worth it; error feedback it cannot carry
-        if _hierarchical_fits(what, layout) and layout.ranks_per_node > 1 and not feedback:
-            cands.append("hierarchical")
+        cands = [name for name, s in SCHEDULES.items()
+                 if kind in s.kinds and s.fits(layout, True) and (s.feedback or not feedback)]
         why = "auto"
-    elif alg == "hierarchical" and not _hierarchical_fits(what, layout):
-        cands, why = ["ring"], ("hierarchical covers Allreduce across nodes of equal size; "
-                                "this call: the ring")
-    elif alg in ("two_shot", "rabenseifner") and what == "Allgather":
-        cands, why = ["ring"], f"{alg} has no all-gather of its own: this call: the ring"
     else:
-        cands, why = [alg], "quantized"
+        s = SCHEDULES[alg]
+        if s.covers and not (kind in s.kinds and s.fits(layout, False)):
+            cands, why = ["ring"], f"{alg} covers {s.covers}; this call: the ring"
+        elif kind not in s.kinds:
+            cands, why = ["ring"], (f"{alg} has no {_KIND_WORDS[kind]} of its own: "
+                                    f"this call: the ring")
+        else:
+            cands, why = [alg], "quantized"
     if acc is None:
         return cands, why
     fits = [m for m in cands if error(m) <= acc]

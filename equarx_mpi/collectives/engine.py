@@ -8,9 +8,11 @@ import collections
 import numpy as np
 
 from equarx_mpi.bounds import bound
-from equarx_mpi.collectives import exact, rabenseifner, ring, two_shot
+from equarx_mpi.collectives import exact
 from equarx_mpi.collectives.nodes import in_turn
 from equarx_mpi.collectives.pieces import chunks as pieces_per_shard
+from equarx_mpi.collectives.pieces import fail
+from equarx_mpi.collectives.registry import SCHEDULES
 from equarx_mpi.names import (
     KERNEL_OP,
     ROUND_STOCHASTIC,
@@ -22,23 +24,12 @@ from equarx_mpi.names import (
 from equarx_mpi.wire import formats
 from equarx_mpi.wire.threaded import Threaded
 
-#: the quantized schedules, by algorithm name
-SCHEDULES = {"ring": ring, "two_shot": two_shot, "rabenseifner": rabenseifner}
 _PLAN_CACHE = 8
 
-
-#: what each schedule runs, per kind of collective (ring.run, two_shot.run,
-#: rabenseifner.run)
-NEEDS = {("ring", "allreduce"): ("encode", "decode_reduce_encode", "decode"),
-         ("ring", "reduce_scatter"): ("encode", "decode_reduce_encode", "decode_reduce"),
-         ("ring", "allgather"): ("encode", "decode"),
-         ("two_shot", "allreduce"): ("encode", "decode_reduce_encode_many", "decode"),
-         ("two_shot", "reduce_scatter"): ("encode", "decode_reduce_many"),
-         # "partial": the same kernels on partial sums in the accumulation type
-         ("rabenseifner", "allreduce"): ("encode", "decode_reduce_encode", "decode_reduce",
-                                         "decode", "partial"),
-         ("rabenseifner", "reduce_scatter"): ("encode", "decode_reduce_encode",
-                                              "decode_reduce", "decode", "partial")}
+#: what each schedule the engine runs needs, per kind of collective: the
+#: format's kernels its run() calls (the schedules' declarations)
+NEEDS = {(name, kind): kernels for name, sched in SCHEDULES.items()
+         for kind, kernels in sched.needs.items()}
 
 
 def warm(fmt, kdtype, algorithm=None, kind=None, P=3, rmodes=None):
@@ -243,6 +234,11 @@ class Engine:
         tally = bound.Tally(fmt, own.dtype, name == "sum", rmode, e_own)
         if feedback is not None:
             fmt = feedback.format(fmt, own, out)
-        ranges = schedule.run(self.comm, plan, fmt, own, out, KERNEL_OP[name], rmode, tally,
-                              own_offset, out_offset)
+        try:
+            ranges = schedule.run(self.comm, plan, fmt, own, out, KERNEL_OP[name], rmode, tally,
+                                  own_offset, out_offset)
+        except BaseException as exc:
+            # peers wait inside the schedule for this rank's messages
+            fail(self.comm, exc)
+            raise
         return ranges, tally

@@ -69,9 +69,45 @@ def cut(fmt, shards, chunks, block, max_piece_bytes):
     return cuts
 
 
+def runs(sizes, count, most):
+    """Consecutive runs [a, b) of slots of these byte sizes: ``count`` of
+    them balanced by number, split further where one would exceed ``most``
+    bytes (one slot alone never does: pieces.cut keeps it under)."""
+    n = len(sizes)
+    g = max(1, min(count, n))
+    out = []
+    for k in range(g if n else 0):
+        a, b = k * n // g, (k + 1) * n // g
+        start, total = a, 0
+        for j in range(a, b):
+            if j > start and total + sizes[j] > most:
+                out.append((start, j))
+                start, total = j, 0
+            total += sizes[j]
+        out.append((start, b))
+    return out
+
+
+class Msg:
+    """One message: consecutive slots ``slots`` ((atom id, Piece) pairs)
+    whose bytes ``buf`` are contiguous in the workspace."""
+    __slots__ = ("buf", "slots")
+
+    def __init__(self, buf, slots):
+        self.buf, self.slots = buf, slots
+
+
 def block_ranges(p, blocks, B):
     """The global (lo, hi) of blocks ``blocks`` of piece p."""
     return [(p.lo + int(k) * B, min(p.lo + (int(k) + 1) * B, p.hi)) for k in blocks]
+
+
+def waitall(requests):
+    """MPI_Waitall.  mpi4py is imported here, when a schedule runs: the
+    cost model and the policy read the schedules' declarations
+    (terms.Schedule) without starting MPI."""
+    from mpi4py import MPI
+    MPI.Request.Waitall(requests)
 
 
 def fail(comm, exc):

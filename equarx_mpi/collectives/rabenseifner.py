@@ -51,42 +51,13 @@ write NaN there, so the next quantization flags them again; the final
 decodes skip them and return their ranges for the exact fix-up.
 """
 import numpy as np
-from mpi4py import MPI
 
 from equarx_mpi.bounds.bound import largest
-from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, fail, message_bytes
+from equarx_mpi.collectives import pieces, terms
+from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, message_bytes, waitall
 from equarx_mpi.names import acc_dtype
 
 TAG_FOLD, TAG_HALVE, TAG_GATHER, TAG_BACK = 21, 22, 23, 24
-
-
-
-def runs(sizes, count, most):
-    """Consecutive runs [a, b) of slots of these byte sizes: ``count`` of
-    them balanced by number, split further where one would exceed ``most``
-    bytes (one slot alone never does: pieces.cut keeps it under)."""
-    n = len(sizes)
-    g = max(1, min(count, n))
-    out = []
-    for k in range(g if n else 0):
-        a, b = k * n // g, (k + 1) * n // g
-        start, total = a, 0
-        for j in range(a, b):
-            if j > start and total + sizes[j] > most:
-                out.append((start, j))
-                start, total = j, 0
-            total += sizes[j]
-        out.append((start, b))
-    return out
-
-
-class Msg:
-    """One message: consecutive slots ``slots`` ((atom id, Piece) pairs)
-    whose bytes ``buf`` are contiguous in the workspace."""
-    __slots__ = ("buf", "slots")
-
-    def __init__(self, buf, slots):
-        self.buf, self.slots = buf, slots
 
 
 class Plan:
@@ -125,7 +96,7 @@ class Plan:
         for u in units:
             per_shard = cut(fmt, u, chunks, block, max_piece_bytes)
             nfold.append(len(per_shard[0]) if len(u) == 2 else 0)
-            self.atoms += [c for pieces in per_shard for c in pieces]
+            self.atoms += [c for cs in per_shard for c in cs]
             first.append(len(self.atoms))
         size = [message_bytes(fmt, hi - lo) for lo, hi in self.atoms]
 
@@ -189,12 +160,12 @@ class Plan:
         def msgs(name, a_ids):
             """The messages over these atoms, consecutive in region ``name``."""
             out = []
-            for a, b in runs([size[x] for x in a_ids], chunks, max_piece_bytes):
+            for a, b in pieces.runs([size[x] for x in a_ids], chunks, max_piece_bytes):
                 run = a_ids[a:b]
                 lo, hi = off[name][run[0]], off[name][run[-1]] + size[run[-1]]
                 if hi - lo != sum(size[x] for x in run):
                     raise AssertionError("rabenseifner.Plan: a message's slots are not contiguous")
-                out.append(Msg(ws[lo:hi], [(x, self.slot[name][x]) for x in run]))
+                out.append(pieces.Msg(ws[lo:hi], [(x, self.slot[name][x]) for x in run]))
             return out
 
         def gather(s, j):
@@ -243,14 +214,6 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
     Returns the global (lo, hi) ranges of the blocks the final decodes
     skipped (flagged), for an exact fix-up.  ``tally`` (a bound.Tally)
     keeps the error bound, carried in every message's trailer."""
-    try:
-        return _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset)
-    except BaseException as exc:
-        fail(comm, exc)
-        raise
-
-
-def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
     B, me, rank = fmt.block, plan.me, plan.rank
     sends, flagged = [], []
 
@@ -286,7 +249,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
         for m, req in back:
             req.Wait()
             decode_final(m)
-        MPI.Request.Waitall(sends)
+        waitall(sends)
         return flagged
 
     fold = post(plan.fold, rank - 1, TAG_FOLD) if plan.folds else []
@@ -391,5 +354,47 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
         for m, req in gathered[len(steps)] if len(steps) < len(gathered) else ():
             req.Wait()
             decode_final(m)
-    MPI.Request.Waitall(sends)
+    waitall(sends)
     return flagged
+
+
+#: pairs ranks at distance P'/2 first (halving the distance with the
+#: message); MPICH and Open MPI at distance 1 first (doubling it), which
+#: keeps the large early steps on the node
+FAR_FIRST = True
+
+
+def seconds(hw, v, s, w, P, chunks):
+    """Halving (a fused hop pass per received value), then doubling (every
+    rank decodes all); P - P' ranks fold in: 2 steps of the whole message,
+    an encode and a decode-reduce more."""
+    Pp, halves = terms.pow2_floor(P), terms.halving(P, FAR_FIRST)
+    comm = 2 * sum(terms.exchange(hw, w * v * f, chunks, d) for d, f in halves)
+    if hw.threads == 1:
+        comp = v * (hw.k("encode") / 2 + (1 - 1 / Pp) * hw.k("hop") + hw.k("decode"))
+    else:
+        # the same passes, in calls as large as each step's pieces: the
+        # late steps' small pieces get fewer threads (costmodel.Hw.k)
+        comp = v / 2 * hw.k("encode", v / 2 / chunks) + v / Pp * hw.k("decode", v / Pp / chunks)
+        for _, f in halves:
+            c = v * f / chunks
+            comp += v * f * (hw.k("hop", c) + hw.k("decode", c))
+    if P > Pp:
+        comm += 2 * terms.exchange(hw, w * v, chunks, 1)
+        comp += v * (hw.k("encode", v / chunks) + hw.k("decode_reduce", v / chunks))
+    return terms.overlap(comm, comp, chunks)
+
+
+def variance(P):
+    """P'/2 per halving step (P'/2^k senders of sums of 2^(k-1) inputs), the
+    owner's sum, a folded rank's input once more (model/errors.py)."""
+    Pp = terms.pow2_floor(P)
+    return 1 + (Pp.bit_length() - 1) / 2 + (P - Pp) / P
+
+
+# "partial": the same kernels on partial sums in the accumulation type;
+# its accumulator is one error feedback cannot follow
+_NEEDS = ("encode", "decode_reduce_encode", "decode_reduce", "decode", "partial")
+SCHEDULE = terms.Schedule("rabenseifner", seconds, variance, Plan=Plan, run=run,
+                          needs={"allreduce": _NEEDS, "reduce_scatter": _NEEDS},
+                          feedback=False, corrected_like="ring")

@@ -20,9 +20,8 @@ hop adds its own rounding to the trailer it received (bound.Tally), so the
 all-gathered trailers bound the result, the same on every rank.
 """
 
-from mpi4py import MPI
-
-from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, fail, message_bytes
+from equarx_mpi.collectives import terms
+from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, message_bytes, waitall
 
 TAG = 7
 
@@ -78,14 +77,6 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
     Returns the global (lo, hi) ranges of the blocks the final decodes
     skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
     (a bound.Tally) keeps the error bound."""
-    try:
-        return _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset)
-    except BaseException as exc:
-        fail(comm, exc)
-        raise
-
-
-def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
     P = plan.P
     left, right = (plan.rank - 1) % P, (plan.rank + 1) % P
     recvs = [comm.Irecv(p.buf, left, TAG)
@@ -136,5 +127,28 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
                 sends.append(comm.Isend(p.buf, right, TAG))
             tally.final.append(p)
             decode(p, out[p.lo:p.hi])
-    MPI.Request.Waitall(sends)
+    waitall(sends)
     return flagged
+
+
+def seconds(hw, v, s, w, P, chunks):
+    """Every rank encodes its pieces, runs P-1 fused hops and decodes P
+    shards, while 2(P-1) ring steps move a shard's bytes each."""
+    piece = v / P
+    c = piece / chunks          # values per kernel call (the threads' parts)
+    comp = piece * (hw.k("encode", c) + (P - 1) * hw.k("hop", c) + P * hw.k("decode", c))
+    comm = 2 * (P - 1) * terms.step(hw, w * piece, chunks)
+    return terms.overlap(comm, comp, chunks)
+
+
+def variance(P):
+    """Every value is requantized at P-1 hops holding partial sums of 1, 2,
+    ..., P-1 inputs, and the owner quantizes the whole sum."""
+    return (P + 1) / 2
+
+
+SCHEDULE = terms.Schedule(
+    "ring", seconds, variance, Plan=Plan, run=run,
+    needs={"allreduce": ("encode", "decode_reduce_encode", "decode"),
+           "reduce_scatter": ("encode", "decode_reduce_encode", "decode_reduce"),
+           "allgather": ("encode", "decode")})

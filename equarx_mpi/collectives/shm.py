@@ -60,6 +60,7 @@ from mpi4py import MPI
 
 from equarx_mpi import kernels as K
 from equarx_mpi.collectives.nodes import in_turn, split_nodes
+from equarx_mpi.collectives.terms import ONESHOT_BYTES  # messages up to it: one-shot
 from equarx_mpi.kernels import shm as SK
 from equarx_mpi.names import KERNEL_DTYPE, acc_dtype
 
@@ -69,8 +70,6 @@ _OPS = ((MPI.SUM, K.OP_SUM), (MPI.MAX, K.OP_MAX), (MPI.MIN, K.OP_MIN))
 _ACC_OF_KERNEL = {kd: acc for kd, acc in _TYPES.values()}
 #: Cache line: slices and regions start on multiples of it.
 LINE = 64
-#: Messages up to this many bytes per rank take the one-shot schedule.
-ONESHOT_BYTES = 64 << 10
 
 
 def _round_up(x, a):

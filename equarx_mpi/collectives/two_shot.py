@@ -28,9 +28,8 @@ still arriving, and the whole call was 1.13x-1.25x slower at 16-64 MiB
 (docs/results/two-shot-gather.txt); on shared memory the two were within
 noise at those sizes.
 """
-from mpi4py import MPI
-
-from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, fail, message_bytes
+from equarx_mpi.collectives import terms
+from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, message_bytes, waitall
 
 TAG_SCATTER, TAG_GATHER = 11, 12
 
@@ -109,14 +108,6 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
     skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
     (a bound.Tally) keeps the error bound, carried in every message's
     trailer as in ring.py."""
-    try:
-        return _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset)
-    except BaseException as exc:
-        fail(comm, exc)
-        raise
-
-
-def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
     P, r = plan.P, plan.rank
     left, right = (r - 1) % P, (r + 1) % P
     scattered = [[comm.Irecv(buf, q, TAG_SCATTER) for q, buf in st.parts]
@@ -146,7 +137,7 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
         if j >= len(plan.stacks):
             continue
         st = plan.stacks[j]
-        MPI.Request.Waitall(scattered[j])
+        waitall(scattered[j])
         for _, buf in st.parts:
             fmt.received(buf)
         mine = own[st.lo - own_offset:st.hi - own_offset]
@@ -168,5 +159,35 @@ def _run(comm, plan, fmt, own, out, op, rmode, tally, own_offset, out_offset):
             sends.append(comm.Isend(fmt.message(p.buf), right, TAG_GATHER))
         tally.final.append(p)
         decode(p)
-    MPI.Request.Waitall(sends)
+    waitall(sends)
     return flagged
+
+
+def seconds(hw, v, s, w, P, chunks):
+    """Every rank encodes its input, its shard's owner reduces P-1 pieces in
+    one pass, every rank decodes the result; the scatter sends P-1 pieces
+    at once (across nodes over the node's one link), the all-gather takes
+    the ring's P-1 steps."""
+    piece = v / P
+    c = piece / chunks
+    comp = v * hw.k("encode", c) + (P - 1) * piece * hw.k("many", c) + v * hw.k("decode", c)
+    b = w * piece
+    scatter = (P - 1) * (chunks * hw.alpha + b * hw.beta) if hw.rpn > 1 else 0.0
+    if hw.nodes > 1:
+        # every rank of a node sends its pieces for the other nodes' ranks
+        # over the node's one link
+        away = P - hw.rpn
+        scatter = max(scatter, away * chunks * hw.net_alpha + hw.rpn * away * b * hw.net_beta)
+    gather = (P - 1) * terms.step(hw, b, chunks)
+    return terms.overlap(scatter + gather, comp, chunks)
+
+
+def variance(P):
+    """P-1 senders quantize one input each, the owner the sum."""
+    return 2 - 1 / P
+
+
+SCHEDULE = terms.Schedule(
+    "two_shot", seconds, variance, Plan=Plan, run=run,
+    needs={"allreduce": ("encode", "decode_reduce_encode_many", "decode"),
+           "reduce_scatter": ("encode", "decode_reduce_many")})

@@ -29,7 +29,9 @@ the one it runs like (CORRECTED_LIKE: rabenseifner the ring's).  MPI's own
 Allreduce is modelled the same way: the best of a ring, recursive doubling
 and Rabenseifner (mpi_parts), times what was measured.
 
-The formulas, and where ranks sit, are in physical.py.
+The formulas: each schedule's in its module (collectives/registry.py
+lists them), the terms they share and where ranks sit in
+collectives/terms.py, the exact methods' in physical.py.
 
 Kernel threads (option ``threads``; ``Model(..., threads=T)``, default 1:
 the model without them, bit for bit): a kernel call runs over as many
@@ -46,14 +48,11 @@ profile everyone's (profiles.agreed).
 import math
 
 from equarx_mpi.collectives.pieces import chunks
+from equarx_mpi.collectives.registry import SCHEDULES
+from equarx_mpi.collectives.terms import ONESHOT_BYTES  # noqa: F401 (the tests')
+from equarx_mpi.collectives.terms import variant as _variant  # tune predict's and the tests'
 from equarx_mpi.model.errors import E1, STOCHASTIC, error, pow2_floor  # noqa: F401 (the model's)
-from equarx_mpi.model.physical import (  # noqa: F401 (tune predict's and the tests')
-    ONESHOT_BYTES,
-    SCHEDULES,
-    _physical,
-    _variant,
-    mpi_parts,
-)
+from equarx_mpi.model.physical import _physical, mpi_parts  # noqa: F401 (tune predict's)
 from equarx_mpi.names import between_nodes
 from equarx_mpi.wire import formats
 from equarx_mpi.wire.threaded import MIN_PART
@@ -214,10 +213,8 @@ def node_copy(profile):
 
 
 #: a wire's kernel time over int8's (encode, decode, decode_reduce and many,
-#: hop) where a profile has int8's only: docs/results/formats-kernels.txt, one
-#: core, wires interleaved, default blocks; bf16, fp32 (not there): as int8
-SLOWER = {"int4": (1.30, 1.11, 1.33, 1.72), "fp8": (1.73, 1.19, 1.31, 2.38),
-          "int8-affine": (1.47, 1.35, 1.35, 2.63), "int4-affine": (1.75, 1.72, 1.60, 3.33)}
+#: hop) where a profile has int8's only: each wire's own (formats.REGISTRY)
+SLOWER = {name: w.slower for name, w in formats.REGISTRY.items()}
 
 
 def _like_int8(int8, wire):
@@ -227,8 +224,8 @@ def _like_int8(int8, wire):
 
 
 #: where no profile measured a method, its prediction is corrected by the
-#: measurements of the one it runs most like (the ring's hops and pieces)
-CORRECTED_LIKE = {"rabenseifner": "ring"}
+#: measurements of the one it runs most like (its Schedule's corrected_like)
+CORRECTED_LIKE = {name: s.corrected_like for name, s in SCHEDULES.items() if s.corrected_like}
 
 
 #: Sizes the model is tabulated at: quarter octaves from 256 B to 28 GiB.
@@ -292,11 +289,12 @@ class Model:
         """Pieces per shard, as the engine cuts them (pieces.chunks)."""
         if self.chunks is not None:
             return self.chunks
-        if method == "hierarchical":
-            return _default_chunks(False, nbytes / (self.rpn * self.nodes))
-        if method in SCHEDULES:
-            return _default_chunks(self.nodes == 1, nbytes / (self.rpn * self.nodes))
-        return 1
+        sched = SCHEDULES.get(method)
+        if sched is None:
+            return 1
+        # a nested schedule's pieces travel between nodes
+        return _default_chunks(self.nodes == 1 and not sched.nested,
+                               nbytes / (self.rpn * self.nodes))
 
     def physical(self, method, nbytes, itemsize, dtype_name="float32"):
         """The physical model alone (no correction by measurements)."""

@@ -7,6 +7,8 @@ float32 values (per wire and block size), times sqrt(the sum of the
 variances it quantizes / the result's): a partial sum of s inputs has
 variance s, its block scale and so its quantization error grow by
 sqrt(s), and the errors of different quantizations are independent.
+Each schedule declares that sum as its ``variance(P)`` (in its module,
+collectives/registry.py lists them):
 
 - ring: every value is requantized at P-1 hops holding partial sums of 1,
   2, ..., P-1 inputs, and the owner quantizes the whole sum:
@@ -27,26 +29,14 @@ sqrt(s), and the errors of different quantizations are independent.
 """
 import math
 
-from equarx_mpi.names import between_nodes
+from equarx_mpi.collectives.registry import SCHEDULES
+from equarx_mpi.collectives.terms import pow2_floor  # noqa: F401 (costmodel's)
+from equarx_mpi.names import EXACT, between_nodes
+from equarx_mpi.wire import formats
 
 #: Relative L2 error of ONE quantization of standard-normal float32 values,
-#: per wire and block size (docs/TUNING.md "Error model"); measured through
-#: the library (docs/ACCURACY.md) within 0.5% of the model for int8, fp8
-#: and bf16; int4 lies 10-15% below it (an upper estimate there).
-E1 = {
-    "int8": {32: 0.005337, 64: 0.005922, 128: 0.006444, 256: 0.00695, 512: 0.007406,
-             1024: 0.007865, 2048: 0.008287, 4096: 0.008715},
-    "int4": {32: 0.09695, 64: 0.1077, 128: 0.1173, 256: 0.1263, 512: 0.1346, 1024: 0.142,
-             2048: 0.1499, 4096: 0.1574},
-    "fp8": {32: 0.02398, 64: 0.02506, 128: 0.02571, 256: 0.02612, 512: 0.02629,
-            1024: 0.02644, 2048: 0.02646, 4096: 0.02645},
-    "int8-affine": {32: 0.004595, 64: 0.005269, 128: 0.005869, 256: 0.006388, 512: 0.0069,
-                    1024: 0.007335, 2048: 0.007865, 4096: 0.00823},
-    "int4-affine": {32: 0.07826, 64: 0.08951, 128: 0.09965, 256: 0.1092, 512: 0.1173,
-                    1024: 0.1248, 2048: 0.1325, 4096: 0.1398},
-    "bf16": {b: 0.001664 for b in (32, 64, 128, 256, 512, 1024, 2048, 4096)},
-    "fp32": {b: 3e-8 for b in (32, 64, 128, 256, 512, 1024, 2048, 4096)},
-}
+#: per wire and block size: each wire's own (formats.REGISTRY, its e1)
+E1 = {name: w.e1 for name, w in formats.REGISTRY.items()}
 
 #: Stochastic rounding's error over nearest's, per quantization: a value at
 #: fraction f of a step rounds off by f or 1 - f with probabilities 1 - f
@@ -55,26 +45,16 @@ E1 = {
 STOCHASTIC = math.sqrt(2)
 
 
-def pow2_floor(P):
-    """P', the largest power of two <= P: the ranks left to recursive
-    halving / doubling once the other P - P' are folded into partners."""
-    return 1 << (int(P).bit_length() - 1)
-
-
 def error(method, wire, block, P, nodes, rounding="nearest"):
     """Relative L2 error of ``method``'s Allreduce on standard-normal data
     (0 for the exact methods) with SUM's codes rounded by ``rounding``.
     Used for the halves too, as an upper bound."""
-    if method in ("mpi", "shm", "copy") or P == 1:
+    if method in EXACT or P == 1:
         return 0.0
-    e1 = E1[wire][block] * (STOCHASTIC if rounding == "stochastic" else 1.0)
-    if method == "ring":
-        return e1 * math.sqrt((P + 1) / 2)
-    if method == "two_shot":
-        return e1 * math.sqrt(2 - 1 / P)
-    if method == "rabenseifner":
-        Pp = pow2_floor(P)
-        return e1 * math.sqrt(1 + (Pp.bit_length() - 1) / 2 + (P - Pp) / P)
-    if method == "hierarchical":
+    sched = SCHEDULES.get(method)
+    if sched is None:
+        raise ValueError(f"no method {method!r}")
+    if sched.nested:
         return error(between_nodes(wire), wire, block, nodes, nodes, rounding)
-    raise ValueError(f"no method {method!r}")
+    e1 = E1[wire][block] * (STOCHASTIC if rounding == "stochastic" else 1.0)
+    return e1 * math.sqrt(sched.variance(P))

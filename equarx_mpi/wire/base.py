@@ -41,20 +41,6 @@ import numpy as np
 from equarx_mpi.names import acc_dtype  # noqa: F401 (the formats' word for it)
 from equarx_mpi.wire.streams import Streams
 
-WIRES = ("int8", "bf16", "fp32", "int4", "fp8", "int8-affine", "int4-affine")
-#: the error-bounded mode's wire (abs_tol/rel_tol picks it; wire/mixed.py)
-MODE_WIRE = "mixed"
-#: the legacy ``bits=`` option
-BITS_TO_WIRE = {4: "int4", 8: "int8", 16: "bf16", 32: "fp32"}
-#: block_size when none is given: 256, except for the int4 wires, where a
-#: smaller block buys less error for few bytes (headers 1/8 of the codes:
-#: 0.5625 bytes per value); measured in docs/FORMAT.md "int4"
-DEFAULT_BLOCK = {"int4": 64, "int4-affine": 128}
-
-
-def default_block(wire):
-    return DEFAULT_BLOCK.get(wire, 256)
-
 
 def pad8(n):
     return (n + 7) & ~7

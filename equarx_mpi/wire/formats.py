@@ -1,23 +1,15 @@
-"""The wire formats, one class each, and the table from wire name to class
-(wire/base.py says what a format offers; wire/mixed.py is the error-bounded
-mode's)."""
+"""The wire formats, one class each, and REGISTRY: every wire declared
+once (its Format, default block, error, kernel speed; WIRES, BITS_TO_WIRE,
+DIRECTED_WIRES and STOCHASTIC_WIRES come from it).  wire/base.py says what
+a format offers; wire/mixed.py is the error-bounded mode's."""
 import math
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 
 from equarx_mpi import kernels as K
 from equarx_mpi.bounds import bound
-from equarx_mpi.wire.base import (  # noqa: F401
-    BITS_TO_WIRE,
-    DEFAULT_BLOCK,
-    MODE_WIRE,
-    WIRES,
-    Format,
-    _largest_below,
-    acc_dtype,
-    default_block,
-    pad8,
-)
+from equarx_mpi.wire.base import Format, _largest_below, acc_dtype, pad8
 from equarx_mpi.wire.many import ComposedMany
 from equarx_mpi.wire.mixed import Mixed
 
@@ -303,19 +295,76 @@ class Plain(Format):
         K.plain_decode_reduce_encode_many(own, pos, ws, wo, self.block, op, self.scratch)
 
 
+class Wire(NamedTuple):
+    """A wire, registered once in REGISTRY: what the options, the policy and
+    the cost model know of it.  Its Format class (and its kernels, in
+    kernels/) is the rest (docs/ALGORITHMS.md "Adding a schedule or a
+    wire")."""
+    make: Callable            #: (block, kernel element type) -> its Format
+    #: relative L2 error of ONE quantization of standard-normal float32
+    #: values, per block size (model/errors.py; docs/TUNING.md "Error model")
+    e1: dict
+    block: int = 256          #: block_size when none is given
+    bits: Optional[int] = None  #: the legacy ``bits=`` value that names it
+    directed: bool = False    #: its codes round up and down (MAX / MIN lossy)
+    stochastic: bool = False  #: it rounds stochastically (rounding="stochastic")
+    #: its kernels' times over int8's (encode, decode, decode_reduce and
+    #: many, hop) where a profile measured int8's only (model/costmodel.py)
+    slower: tuple = (1.0, 1.0, 1.0, 1.0)
+
+
+def _e1(*errors):
+    return dict(zip((32, 64, 128, 256, 512, 1024, 2048, 4096), errors))
+
+
+#: wire name -> Wire, in the order WIRES lists them.  e1: measured through
+#: the library (docs/ACCURACY.md) within 0.5% of the model for int8, fp8 and
+#: bf16; int4 lies 10-15% below it (an upper estimate there).  slower:
+#: docs/results/formats-kernels.txt, one core, wires interleaved, default
+#: blocks; bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
+#: buy less error for few bytes (docs/FORMAT.md "int4").
+REGISTRY = {
+    "int8": Wire(Int8Block, _e1(0.005337, 0.005922, 0.006444, 0.00695, 0.007406, 0.007865,
+                                0.008287, 0.008715), bits=8, directed=True, stochastic=True),
+    "bf16": Wire(lambda b, kd: Plain("bf16", b, kd), _e1(*[0.001664] * 8), bits=16),
+    "fp32": Wire(lambda b, kd: Plain("fp32", b, kd), _e1(*[3e-8] * 8), bits=32),
+    "int4": Wire(Int4Block, _e1(0.09695, 0.1077, 0.1173, 0.1263, 0.1346, 0.142, 0.1499, 0.1574),
+                 block=64, bits=4, directed=True, stochastic=True,
+                 slower=(1.30, 1.11, 1.33, 1.72)),
+    "fp8": Wire(Fp8Block, _e1(0.02398, 0.02506, 0.02571, 0.02612, 0.02629, 0.02644, 0.02646,
+                              0.02645), directed=True, slower=(1.73, 1.19, 1.31, 2.38)),
+    "int8-affine": Wire(lambda b, kd: AffineBlock("int8-affine", b, kd),
+                        _e1(0.004595, 0.005269, 0.005869, 0.006388, 0.0069, 0.007335, 0.007865,
+                            0.00823), directed=True, slower=(1.47, 1.35, 1.35, 2.63)),
+    "int4-affine": Wire(lambda b, kd: AffineBlock("int4-affine", b, kd),
+                        _e1(0.07826, 0.08951, 0.09965, 0.1092, 0.1173, 0.1248, 0.1325, 0.1398),
+                        block=128, directed=True, slower=(1.75, 1.72, 1.60, 3.33)),
+}
+WIRES = tuple(REGISTRY)
+#: the error-bounded mode's wire (abs_tol/rel_tol picks it; wire/mixed.py)
+MODE_WIRE = "mixed"
+#: the legacy ``bits=`` option
+BITS_TO_WIRE = dict(sorted((w.bits, name) for name, w in REGISTRY.items() if w.bits))
+#: wires whose codes can round up or down (MAX / MIN with ``lossy_ops``)
+DIRECTED_WIRES = tuple(name for name, w in REGISTRY.items() if w.directed)
+#: wires that can round stochastically (rounding="stochastic")
+STOCHASTIC_WIRES = tuple(name for name, w in REGISTRY.items() if w.stochastic)
+
+
+def default_block(wire):
+    """block_size when none is given: the wire's own (the mode's: 256)."""
+    w = REGISTRY.get(wire)
+    return w.block if w else 256
+
+
 def make_format(wire, block, kdtype):
     """The format for wire name ``wire`` and inputs of kernel type ``kdtype``."""
-    make = _MAKERS.get(wire)
-    if make is None:
+    if wire == MODE_WIRE:
+        return Mixed(block, np.dtype(kdtype))
+    w = REGISTRY.get(wire)
+    if w is None:
         raise ValueError(f"wire must be one of {WIRES}, not {wire!r}")
-    return make(block, np.dtype(kdtype))
-
-
-#: wire name -> format for (block, kernel element type)
-_MAKERS = {"int8": Int8Block, "int4": Int4Block, "fp8": Fp8Block, "mixed": Mixed,
-           "bf16": lambda b, kd: Plain("bf16", b, kd), "fp32": lambda b, kd: Plain("fp32", b, kd),
-           "int8-affine": lambda b, kd: AffineBlock("int8-affine", b, kd),
-           "int4-affine": lambda b, kd: AffineBlock("int4-affine", b, kd)}
+    return w.make(block, np.dtype(kdtype))
 
 
 def max_block_bytes(wire, block):
