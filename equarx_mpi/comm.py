@@ -1,6 +1,6 @@
 """The public edge: QuantizedComm.  Arguments are checked (call/validate.py)
 and agreed across ranks (call/agree.py), the method is chosen
-(call/policy.py) and where the error bound comes from (call/plan.py); then
+(call/policy.py) and where the error bound comes from (call/bound_from.py); then
 the method's runner (_RUN) runs a schedule (collectives/engine.py), the
 shared window (collectives/shm.py) or MPI's own (collectives/exact.py), in
 the caller's thread or, for nonblocking and persistent calls, in the
@@ -14,7 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from equarx_mpi.bounds import bound, mpi_bound, tolerance
-from equarx_mpi.call import options, plan, policy
+from equarx_mpi.call import bound_from, options, policy
 from equarx_mpi.call.agree import abort_on_exception, agree, agreed
 from equarx_mpi.call.buffers import OPAQUE, is_in_place
 from equarx_mpi.call.nonblocking import FREED, Executor, PersistentRequest
@@ -302,7 +302,7 @@ class QuantizedComm(Running):
         """A Call: the arguments checked and, with check=True, agreed across
         ranks unless it is MPI's own collective with nothing to agree
         (docs/ROBUSTNESS.md), the method chosen, and where its error bound
-        comes from (call/plan.py).  With opaque_ok (a wrapped communicator)
+        comes from (call/bound_from.py).  With opaque_ok (a wrapped communicator)
         a buffer only MPI can read gives a Call with recv OPAQUE, for MPI to
         run unchanged, and auto's exact calls are MPI's own (policy.choose's
         ``wrapped``); ``persistent``: the values come when each Start() runs."""
@@ -322,7 +322,7 @@ class QuantizedComm(Running):
             raise err               # its path unknown here: raised here, as mpi4py does
         method, reason, source, tolerant = self._path(what, name, recv, nbytes, fb, opaque_ok,
                                                       persistent, quiet=err is not None)
-        direct = method in ("mpi", "copy") and source in (plan.FIXED, plan.UNKNOWN) and not fb
+        direct = method in ("mpi", "copy") and source in (bound_from.FIXED, bound_from.UNKNOWN) and not fb
         if err is not None:
             # the others agree exactly where this call's path is the library's own
             if self.check and (not direct or self._agree_all):
@@ -335,7 +335,7 @@ class QuantizedComm(Running):
         if tolerant and (persistent or fb) and err is None:
             err = ValueError(tolerance.NOT_PERSISTENT)
         most = None
-        if (source == plan.AGREED or tolerant) and self.check:
+        if (source == bound_from.AGREED or tolerant) and self.check:
             most = mpi_bound.largest(recv if send is None else send)
         meta = meta + [("feedback", int(fb))]
         c = Call(what, send, recv, op, name, method, reason, nbytes, source, feedback)
@@ -347,8 +347,8 @@ class QuantizedComm(Running):
         elif err is not None:
             raise err
         if tolerant:          # check=False: its own 8-byte MAX Allreduce finds M
-            most = plan.settle(self.options, c, P, most, self._ctl)
-        if c.bound is None and c.bound_from in plan.WHEN_PREPARED:
+            most = bound_from.settle(self.options, c, P, most, self._ctl)
+        if c.bound is None and c.bound_from in bound_from.WHEN_PREPARED:
             c.bound = 0.0 if known and not nbytes else mpi_bound.error_bound(what, name, dtype, P,
                                                                          most)
         return c
@@ -374,8 +374,8 @@ class QuantizedComm(Running):
                                           self._exact > 0, quiet=quiet)
         dtype = recv.dtype if known else None
         tolerant = bool(self._tolerant and nbytes and mpi_bound.sums_floats(what, name, dtype, P))
-        source = plan.bound_source(what, name, dtype, P, method, nbytes, persistent or fb,
-                                   self.check and self.options["exact_bounds"], fb, tolerant)
+        source = bound_from.source(what, name, dtype, P, method, nbytes, persistent or fb,
+                                  self.check and self.options["exact_bounds"], fb, tolerant)
         return method, reason, source, tolerant
 
     def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from equarx_mpi.bounds import bound, mpi_bound
-from equarx_mpi.call import plan
+from equarx_mpi.call import bound_from
 from equarx_mpi.call.records import CallInfo, uncompressed_bytes
 from equarx_mpi.collectives import exact
 from equarx_mpi.collectives.background import in_background
@@ -55,7 +55,7 @@ class Running:
     # --- the runners, one per method: (values fixed up, bound, bound.Record) -----
     def _exact_bound(self, c, e_own):
         """An exact call's bound, before it runs (it may overwrite its input)."""
-        if c.bound_from == plan.AT_RUN:
+        if c.bound_from == bound_from.AT_RUN:
             return exact.bound_now(self._comm, c.what, c.name, c.send, c.recv, e_own)
         return c.bound
 
@@ -75,7 +75,7 @@ class Running:
     def _shm(self, c, e_own):
         err = self._exact_bound(c, e_own)
         most = self._window().allreduce(c.send, c.recv, c.op)
-        if c.bound_from == plan.WINDOW:
+        if c.bound_from == bound_from.WINDOW:
             err = mpi_bound.error_bound(c.what, c.name, c.recv.dtype, self._size, most)
         return 0, err, None
 

@@ -138,14 +138,14 @@ def test_mpi_rabenseifner_keeps_its_large_steps_on_the_node():
 
 
 def test_the_model_pairs_rabenseifner_as_the_schedule_does():
-    """rabenseifner.FAR_FIRST (its cost's order) follows its Plan: rank 0's
+    """rabenseifner.FAR_FIRST (its cost's order) follows its Route: rank 0's
     partners, step by step, at 8 ranks."""
     from equarx_mpi.wire import formats
     fmt = formats.make_format("int8", 256, np.dtype(np.float32))
     P = 8
-    plan = rabenseifner.Plan("allreduce", fmt, [(i * 256, 256) for i in range(P)], 0, 1, 256,
-                             1 << 20, lambda nbytes: np.zeros(nbytes, np.uint8))
-    assert [partner for partner, _, _ in plan.steps] == [
+    route = rabenseifner.Route("allreduce", fmt, [(i * 256, 256) for i in range(P)], 0, 1, 256,
+                               1 << 20, lambda nbytes: np.zeros(nbytes, np.uint8))
+    assert [partner for partner, _, _ in route.steps] == [
         d for d, _ in terms.halving(P, rabenseifner.FAR_FIRST)]
 
 

@@ -429,9 +429,9 @@ def test_max_message_bytes_is_a_hard_cap():
     for wire, block, cap in (("int8", 4096, 4200), ("int8", 256, 1040), ("fp32", 256, 1100),
                              ("bf16", 32, 1024)):
         fmt = formats.make_format(wire, block, np.float32)
-        plan = ring.Plan("allreduce", fmt, [(0, 100003), (100003, 77777)], 0, 1, block, cap,
+        route = ring.Route("allreduce", fmt, [(0, 100003), (100003, 77777)], 0, 1, block, cap,
                          lambda n: np.empty(n, np.uint8))
-        sizes = [p.buf.nbytes for step in plan.rs_steps + plan.ag_steps + [plan.rs_first]
+        sizes = [p.buf.nbytes for step in route.rs_steps + route.ag_steps + [route.rs_first]
                  for p in step]
         assert max(sizes) <= cap, (wire, block, cap, max(sizes))
     raises_everywhere(ValueError, lambda: QuantizedComm(WORLD, bits=32, block_size=4096,

@@ -167,7 +167,7 @@ class Ledger:
 
 class Call:
     """One checked and agreed call, ready to run (``_prepare``).
-    ``bound_from``: where its error bound comes from (call/plan.py);
+    ``bound_from``: where its error bound comes from (call/bound_from.py);
     ``bound``: the bound when known at preparation, else None;
     ``feedback``: an ErrorFeedback or None; ``budget``: the error-bounded
     mode's tolerance.Budget of a quantized call, else None; ``direct``: MPI's

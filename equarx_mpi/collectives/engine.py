@@ -1,4 +1,4 @@
-"""Quantized schedules on one communicator: a format per input type, a plan
+"""Quantized schedules on one communicator: a format per input type, a route
 per message shape, one workspace, the exact fix-up of flagged blocks, and
 the error bound of each call (bound.py).  QuantizedComm runs one on its
 duplicate of the caller's communicator; the hierarchical schedule one more
@@ -24,7 +24,7 @@ from equarx_mpi.names import (
 from equarx_mpi.wire import formats
 from equarx_mpi.wire.threaded import Threaded
 
-_PLAN_CACHE = 8
+_ROUTE_CACHE = 8
 
 #: what each schedule the engine runs needs, per kind of collective: the
 #: format's kernels its run() calls (the schedules' declarations)
@@ -111,7 +111,7 @@ class Engine:
         #: (algorithm, kind, element type, rounding to nearest) whose
         #: kernels are compiled
         self._warm = set()
-        self._plans = collections.OrderedDict()
+        self._routes = collections.OrderedDict()
         self._ws = np.empty(0, np.uint8)
         self.record = None
         #: the error-bounded mode's tolerance.Budget of the next call (its
@@ -119,7 +119,7 @@ class Engine:
         self.budget = None
 
     def free(self):
-        self._plans.clear()
+        self._routes.clear()
         self._ws = None
 
     def allreduce(self, algorithm, send, recv, name, op, e_own=0.0, feedback=None,
@@ -203,7 +203,7 @@ class Engine:
 
     def _workspace(self, nbytes):
         if self._ws.size < nbytes:
-            self._plans.clear()
+            self._routes.clear()
             self._ws = np.empty(nbytes, np.uint8)
         return self._ws
 
@@ -219,15 +219,15 @@ class Engine:
         chunks = pieces_per_shard(self.opts, self.one_node, biggest)
         schedule = SCHEDULES[algorithm]
         key = (algorithm, kind, tuple(shards), chunks, own.dtype.str)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = schedule.Plan(kind, fmt, shards, self.rank, chunks, self.opts["block_size"],
-                                 self.opts["max_message_bytes"], self._workspace)
-            self._plans[key] = plan
-            while len(self._plans) > _PLAN_CACHE:
-                self._plans.popitem(last=False)
+        route = self._routes.get(key)
+        if route is None:
+            route = schedule.Route(kind, fmt, shards, self.rank, chunks, self.opts["block_size"],
+                                   self.opts["max_message_bytes"], self._workspace)
+            self._routes[key] = route
+            while len(self._routes) > _ROUTE_CACHE:
+                self._routes.popitem(last=False)
         else:
-            self._plans.move_to_end(key)
+            self._routes.move_to_end(key)
         if rmode == ROUND_STOCHASTIC:
             fmt.begin_call(self.opts["seed"], self.rank, own, own_offset)
         fmt.budget = self.budget
@@ -235,7 +235,7 @@ class Engine:
         if feedback is not None:
             fmt = feedback.format(fmt, own, out)
         try:
-            ranges = schedule.run(self.comm, plan, fmt, own, out, KERNEL_OP[name], rmode, tally,
+            ranges = schedule.run(self.comm, route, fmt, own, out, KERNEL_OP[name], rmode, tally,
                                   own_offset, out_offset)
         except BaseException as exc:
             # peers wait inside the schedule for this rank's messages

@@ -60,7 +60,7 @@ from equarx_mpi.names import acc_dtype
 TAG_FOLD, TAG_HALVE, TAG_GATHER, TAG_BACK = 21, 22, 23, 24
 
 
-class Plan:
+class Route:
     """Where every piece lives and which messages carry it, for one rank,
     one message shape and one kind ("allreduce" or "reduce_scatter").
     ``me``: this rank among the P' = 2^L taking part; -1 for a folded
@@ -73,7 +73,7 @@ class Plan:
 
     def __init__(self, kind, fmt, shards, rank, chunks, block, max_piece_bytes, workspace):
         if kind not in ("allreduce", "reduce_scatter"):
-            raise ValueError(f"rabenseifner.Plan: no kind {kind!r}")
+            raise ValueError(f"rabenseifner.Route: no kind {kind!r}")
         P = len(shards)
         P2 = 1 << (P.bit_length() - 1)
         rem, L = P - P2, P2.bit_length() - 1
@@ -164,7 +164,7 @@ class Plan:
                 run = a_ids[a:b]
                 lo, hi = off[name][run[0]], off[name][run[-1]] + size[run[-1]]
                 if hi - lo != sum(size[x] for x in run):
-                    raise AssertionError("rabenseifner.Plan: a message's slots are not contiguous")
+                    raise AssertionError("rabenseifner.Route: a message's slots are not contiguous")
                 out.append(pieces.Msg(ws[lo:hi], [(x, self.slot[name][x]) for x in run]))
             return out
 
@@ -208,13 +208,13 @@ class Plan:
             self.back_recv = msgs("back", regions["back"])   # the same on both sides
 
 
-def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0):
-    """Execute ``plan``.  own is the read-only input and out the output (kernel
+def run(comm, route, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0):
+    """Execute ``route``.  own is the read-only input and out the output (kernel
     views); own[i] is global element i + own_offset, out[i] is i + out_offset.
     Returns the global (lo, hi) ranges of the blocks the final decodes
     skipped (flagged), for an exact fix-up.  ``tally`` (a bound.Tally)
     keeps the error bound, carried in every message's trailer."""
-    B, me, rank = fmt.block, plan.me, plan.rank
+    B, me, rank = fmt.block, route.me, route.rank
     sends, flagged = [], []
 
     def post(msgs, src, tag):
@@ -236,12 +236,12 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
             tally.final.append(p)
             decode(p)
 
-    if plan.P == 1:                         # nothing to reduce (the engine copies instead)
+    if route.P == 1:                        # nothing to reduce (the engine copies instead)
         out[...] = own
         return flagged
     if me == -1:                            # folded: send the input, receive the result
-        back = post(plan.back_recv, rank + 1, TAG_BACK)
-        for m in plan.fold:
+        back = post(route.back_recv, rank + 1, TAG_BACK)
+        for m in route.fold:
             for _, p in m.slots:
                 fmt.encode(own_of(p), p.w, rmode)
                 tally.start(p)
@@ -252,20 +252,20 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
         waitall(sends)
         return flagged
 
-    fold = post(plan.fold, rank - 1, TAG_FOLD) if plan.folds else []
-    halves = [post(theirs, partner, TAG_HALVE) for partner, theirs, _ in plan.steps]
-    gathered = [post(theirs, partner, TAG_GATHER) for partner, _, theirs in plan.gathers]
+    fold = post(route.fold, rank - 1, TAG_FOLD) if route.folds else []
+    halves = [post(theirs, partner, TAG_HALVE) for partner, theirs, _ in route.steps]
+    gathered = [post(theirs, partner, TAG_GATHER) for partner, _, theirs in route.gathers]
     # a message goes out as soon as its last piece is written
     trigger = {}
-    for k, (partner, _, ours) in enumerate(plan.steps):
-        if k or plan.folds:
+    for k, (partner, _, ours) in enumerate(route.steps):
+        if k or route.folds:
             trigger.update((id(m.slots[-1][1]), (m, partner, TAG_HALVE)) for m in ours)
-    if plan.gathers:
-        partner, ours, _ = plan.gathers[0]
+    if route.gathers:
+        partner, ours, _ = route.gathers[0]
         trigger.update((id(m.slots[-1][1]), (m, partner, TAG_GATHER)) for m in ours)
-    if plan.kind == "reduce_scatter" and plan.folds:
-        trigger.update((id(m.slots[-1][1]), (m, rank - 1, TAG_BACK)) for m in plan.back_recv)
-    acc, acc_ro, acc_lo, L = plan.acc, plan.acc_ro, plan.acc_lo, plan.L
+    if route.kind == "reduce_scatter" and route.folds:
+        trigger.update((id(m.slots[-1][1]), (m, rank - 1, TAG_BACK)) for m in route.back_recv)
+    acc, acc_ro, acc_lo, L = route.acc, route.acc_ro, route.acc_lo, route.L
     e_acc = {}                              # atom -> bound of its partial sum in acc
 
     def written(p):
@@ -292,12 +292,12 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
 
     def finish(a, p):
         """Atom a of our own shard(s), fully reduced but for p."""
-        if plan.kind == "allreduce":
-            q = plan.slot["final"][a]
+        if route.kind == "allreduce":
+            q = route.slot["final"][a]
             fused(a, p, q, final=True)
             decode(q)
-        elif a in plan.slot.get("back", ()):
-            fused(a, p, plan.slot["back"][a], final=True, held=False)
+        elif a in route.slot.get("back", ()):
+            fused(a, p, route.slot["back"][a], final=True, held=False)
         else:
             e_in = float(p.t[1])
             src = acc_ro[p.lo - acc_lo:p.hi - acc_lo] if a in e_acc else own_of(p)
@@ -309,7 +309,7 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
     def take(k, m):
         """A message of halving step k (k = -1: the fold) arrived."""
         for a, p in m.slots:
-            if k + 1 < L and a in plan.G[k + 1]:
+            if k + 1 < L and a in route.G[k + 1]:
                 fused(a, p, p)              # in place: it is next step's message
             elif k == L - 1:
                 finish(a, p)
@@ -319,7 +319,7 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
     for m, req in fold:
         req.Wait()
         take(-1, m)
-    first = plan.steps[0][2] if plan.steps and not plan.folds else []
+    first = route.steps[0][2] if route.steps and not route.folds else []
 
     def post_first(j):
         # one message ahead of the one awaited: all at once, MPI interleaves
@@ -328,7 +328,7 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
             for _, p in first[j].slots:
                 fmt.encode(own_of(p), p.w, rmode)
                 tally.start(p)
-            sends.append(comm.Isend(first[j].buf, plan.steps[0][0], TAG_HALVE))
+            sends.append(comm.Isend(first[j].buf, route.steps[0][0], TAG_HALVE))
 
     post_first(0)
     for k, reqs in enumerate(halves):
@@ -340,10 +340,10 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
         if k == 0:
             for j in range(len(reqs) + 1, len(first)):
                 post_first(j)
-    if plan.kind == "allreduce":
-        steps = [(partner, ours, TAG_GATHER) for partner, ours, _ in plan.gathers[1:]]
-        if plan.folds:
-            steps.append((rank - 1, plan.back_held, TAG_BACK))
+    if route.kind == "allreduce":
+        steps = [(partner, ours, TAG_GATHER) for partner, ours, _ in route.gathers[1:]]
+        if route.folds:
+            steps.append((rank - 1, route.back_held, TAG_BACK))
         for j, (dest, ours, tag) in enumerate(steps):
             for m in ours:                  # what we held before: ready
                 sends.append(comm.Isend(m.buf, dest, tag))
@@ -395,6 +395,6 @@ def variance(P):
 # "partial": the same kernels on partial sums in the accumulation type;
 # its accumulator is one error feedback cannot follow
 _NEEDS = ("encode", "decode_reduce_encode", "decode_reduce", "decode", "partial")
-SCHEDULE = terms.Schedule("rabenseifner", seconds, variance, Plan=Plan, run=run,
+SCHEDULE = terms.Schedule("rabenseifner", seconds, variance, Route=Route, run=run,
                           needs={"allreduce": _NEEDS, "reduce_scatter": _NEEDS},
                           feedback=False, corrected_like="ring")

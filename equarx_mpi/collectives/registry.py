@@ -5,7 +5,7 @@ algorithm="auto"'s order of candidates.
 
 The node-aware schedule is declared here: it runs on the shared window
 (shm.py) and another schedule between nodes, by its own runner
-(running.py), so it has no kernels or plan of its own, and its module
+(running.py), so it has no kernels or route of its own, and its module
 needs MPI, which the declarations do without."""
 from equarx_mpi.collectives import rabenseifner, ring, terms, two_shot
 

@@ -26,7 +26,7 @@ from equarx_mpi.collectives.pieces import Piece, block_ranges, cut, message_byte
 TAG = 7
 
 
-class Plan:
+class Route:
     """Where each piece of each shard lives, for one rank, one message shape
     and one kind of operation.  Built once, reused by every call of that shape.
 
@@ -71,16 +71,16 @@ class Plan:
                          for k in range(P - 1)] if ag else []
 
 
-def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0):
-    """Execute ``plan``.  own is the read-only input and out the output (kernel
+def run(comm, route, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0):
+    """Execute ``route``.  own is the read-only input and out the output (kernel
     views); own[i] is global element i + own_offset, out[i] is i + out_offset.
     Returns the global (lo, hi) ranges of the blocks the final decodes
     skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
     (a bound.Tally) keeps the error bound."""
-    P = plan.P
-    left, right = (plan.rank - 1) % P, (plan.rank + 1) % P
+    P = route.P
+    left, right = (route.rank - 1) % P, (route.rank + 1) % P
     recvs = [comm.Irecv(p.buf, left, TAG)
-             for step in plan.rs_steps + plan.ag_steps for p in step]
+             for step in route.rs_steps + route.ag_steps for p in step]
     sends, flagged = [], []
     nxt = iter(recvs)
 
@@ -89,11 +89,11 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
         if skipped.size:
             flagged.extend(block_ranges(p, skipped, fmt.block))
 
-    for p in plan.rs_first:
+    for p in route.rs_first:
         fmt.encode(own[p.lo:p.hi], p.w, rmode)
         tally.start(p)
         sends.append(comm.Isend(p.buf, right, TAG))
-    for k, step in enumerate(plan.rs_steps):
+    for k, step in enumerate(route.rs_steps):
         last = k == P - 2
         for j, p in enumerate(step):
             next(nxt).Wait()
@@ -103,24 +103,24 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
                 fmt.decode_reduce_encode(mine, p.w, p.w, op, rmode)
                 tally.hop(e_in, p)
                 sends.append(comm.Isend(p.buf, right, TAG))
-            elif plan.kind == "reduce_scatter":
+            elif route.kind == "reduce_scatter":
                 res = out[p.lo - out_offset:p.hi - out_offset]
                 skipped = fmt.decode_reduce(mine, p.w, res, op)
                 tally.result(p.lo, p.hi, res, skipped, fmt.block, e_in=e_in)
                 flagged.extend(block_ranges(p, skipped, fmt.block))
             else:
-                q = plan.ag_own[j]
+                q = route.ag_own[j]
                 fmt.decode_reduce_encode(mine, p.w, q.w, op, rmode)
                 tally.hop(e_in, q, final=True)
                 sends.append(comm.Isend(q.buf, right, TAG))
                 decode(q, out[q.lo:q.hi])
-    if plan.kind == "allgather":
-        for q in plan.ag_own:
+    if route.kind == "allgather":
+        for q in route.ag_own:
             fmt.encode(own[q.lo - own_offset:q.hi - own_offset], q.w, rmode)
             tally.start(q, final=True)
             sends.append(comm.Isend(q.buf, right, TAG))
             decode(q, out[q.lo:q.hi])
-    for k, step in enumerate(plan.ag_steps):
+    for k, step in enumerate(route.ag_steps):
         for p in step:
             next(nxt).Wait()
             if k < P - 2:
@@ -148,7 +148,7 @@ def variance(P):
 
 
 SCHEDULE = terms.Schedule(
-    "ring", seconds, variance, Plan=Plan, run=run,
+    "ring", seconds, variance, Route=Route, run=run,
     needs={"allreduce": ("encode", "decode_reduce_encode", "decode"),
            "reduce_scatter": ("encode", "decode_reduce_encode", "decode_reduce"),
            "allgather": ("encode", "decode")})

@@ -108,7 +108,7 @@ class ShmAllreduce:
         self._lent_bytes = 0    # its size; other inputs are copied in after it
         self.cap = self._rcap = self._stride = 0
         self._views = {}        # dtype -> flat array over the window
-        self._plans = {}        # message shape -> views (see _plan)
+        self._places = {}       # message shape -> views (see _place)
         self._acc = {d: np.empty(SK.TILE, d) for d in (np.dtype(np.float32), np.dtype(np.float64))}
         # data starts at 0 (the one-shot areas), strided like the control
         # words, so that the kernel is compiled once for both
@@ -125,7 +125,7 @@ class ShmAllreduce:
         for win in self._retired + ([self._win] if self._win else []):
             win.Unlock_all()
             win.Free()
-        self._retired, self._win, self._mem, self._views, self._plans = [], None, None, {}, {}
+        self._retired, self._win, self._mem, self._views, self._places = [], None, None, {}, {}
         self.comm.Free()
         self.comm = None
 
@@ -163,7 +163,7 @@ class ShmAllreduce:
         self._win, self._lent, self._lent_bytes = win, False, 0
         self._mem = raw[pad:pad + self.P * stride]
         self.cap, self._rcap, self._stride = cap, rcap, stride
-        self._views, self._plans = {}, {}
+        self._views, self._places = {}, {}
         # one value per slot from its control line: its largest magnitude,
         # and where its data starts (in values of the call's type)
         first, step = (stride - LINE) // 8, stride // 8
@@ -304,15 +304,15 @@ class ShmAllreduce:
         return SK.reduce_slots(win, stride, self._at_zero if at is None else at, self.P,
                                self.rank, own, lo, hi, kop, acc, out, out2)
 
-    def _plan(self, n, kd, rd, base):
+    def _place(self, n, kd, rd, base):
         """Views of the two-phase schedule for n values of kernel type kd
         with results of type rd, this rank's data starting ``base`` bytes
         into its slot, built once per window and message shape: (window,
         slot stride, own data slot and its address, every rank's (lo, hi,
         result region))."""
         key = (n, kd, rd, base)
-        plan = self._plans.get(key)
-        if plan is None:
+        place = self._places.get(key)
+        if place is None:
             s = kd.itemsize
             win, stride = self._view(kd), self._stride // s
             first = self.rank * stride + base // s
@@ -322,8 +322,8 @@ class ShmAllreduce:
                 lo, hi = slice_bounds(n, s, self.P, k)
                 off = (k * self._stride + self.cap) // rd.itemsize
                 parts.append((lo, hi, self._view(rd)[off:off + hi - lo]))
-            plan = self._plans[key] = (win, stride, slot, _address(slot), parts)
-        return plan
+            place = self._places[key] = (win, stride, slot, _address(slot), parts)
+        return place
 
     def _reduce_scatter(self, src, kop, keep_acc, own_out):
         n, kd = src.size, src.dtype
@@ -333,7 +333,7 @@ class ShmAllreduce:
         base = 0 if self.is_window_buffer(src) else self._lent_bytes
         self._warm(kd)
         rd = _ACC_OF_KERNEL[kd] if keep_acc else kd
-        win, stride, slot, addr, parts = self._plan(n, kd, rd, base)
+        win, stride, slot, addr, parts = self._place(n, kd, rd, base)
         lo, hi, res = parts[self.rank]
         if _address(src) != addr:
             # the others read all but this rank's own slice, which it reads
@@ -351,7 +351,7 @@ class ShmAllreduce:
     def _allgather(self, out, skip_own):
         n, kd, rd, base = self._pending
         self._pending = None
-        parts = self._plan(n, kd, rd, base)[4]
+        parts = self._place(n, kd, rd, base)[4]
         self._sync()
         for k, (lo, hi, res) in enumerate(parts):
             if skip_own and k == self.rank:
@@ -367,17 +367,17 @@ class ShmAllreduce:
         self.reserve(n * kd.itemsize)
         self._warm(kd)
         key = (n, kd, None)
-        plan = self._plans.get(key)
-        if plan is None:
+        place = self._places.get(key)
+        if place is None:
             s = kd.itemsize
             stride = self._stride // s
-            plan = []
+            place = []
             for parity in (0, 1):
                 first = (self.cap + self._rcap + parity * _round_up(self.oneshot_bytes, LINE)) // s
                 win = self._view(kd)[first:]
-                plan.append((win, stride, win[self.rank * stride:self.rank * stride + n]))
-            self._plans[key] = plan
-        win, stride, area = plan[self._oneshots & 1]
+                place.append((win, stride, win[self.rank * stride:self.rank * stride + n]))
+            self._places[key] = place
+        win, stride, area = place[self._oneshots & 1]
         self._oneshots += 1
         np.copyto(area, src)
         self._sync()

@@ -43,8 +43,8 @@ class Schedule:
     #: kernels run() calls (engine.warm compiles them); empty: the engine
     #: does not run it
     needs: dict = field(default_factory=dict)
-    Plan: Optional[type] = None           #: Plan(kind, fmt, shards, rank, chunks, block, ...)
-    run: Optional[Callable] = None        #: run(comm, plan, fmt, own, out, op, rmode, tally, ...)
+    Route: Optional[type] = None          #: Route(kind, fmt, shards, rank, chunks, block, ...)
+    run: Optional[Callable] = None        #: run(comm, route, fmt, own, out, op, rmode, tally, ...)
     kinds: tuple = ()                     #: the kinds it runs (default: those of ``needs``)
     feedback: bool = True                 #: it can carry an ErrorFeedback
     #: fits(layout, auto): whether it runs on this layout (``auto``: and

@@ -46,7 +46,7 @@ class Stack:
         self.ts = [Piece(lo, hi, buf, None).t for _, buf in parts]
 
 
-class Plan:
+class Route:
     """Where every piece lives, for one rank, one message shape and one
     kind: "allreduce" or "reduce_scatter" (no all-gather: the owner reduces
     into the caller's output at full precision, not requantized).
@@ -59,7 +59,7 @@ class Plan:
 
     def __init__(self, kind, fmt, shards, rank, chunks, block, max_piece_bytes, workspace):
         if kind not in ("allreduce", "reduce_scatter"):
-            raise ValueError(f"two_shot.Plan: no kind {kind!r}")
+            raise ValueError(f"two_shot.Route: no kind {kind!r}")
         P = len(shards)
         self.kind, self.P, self.rank = kind, P, rank
         cuts = cut(fmt, shards, chunks, block, max_piece_bytes)
@@ -101,24 +101,24 @@ class Plan:
                         for c in cuts[(rank - k - 1) % P]] if ag else []
 
 
-def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0):
-    """Execute ``plan``.  own is the read-only input and out the output (kernel
+def run(comm, route, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0):
+    """Execute ``route``.  own is the read-only input and out the output (kernel
     views); own[i] is global element i + own_offset, out[i] is i + out_offset.
     Returns the global (lo, hi) ranges of the blocks the final decodes
     skipped (flagged: Inf or NaN inside), for an exact fix-up.  ``tally``
     (a bound.Tally) keeps the error bound, carried in every message's
     trailer as in ring.py."""
-    P, r = plan.P, plan.rank
+    P, r = route.P, route.rank
     left, right = (r - 1) % P, (r + 1) % P
     scattered = [[comm.Irecv(buf, q, TAG_SCATTER) for q, buf in st.parts]
-                 for st in plan.stacks]
-    gathered = [comm.Irecv(p.buf, left, TAG_GATHER) for _, p in plan.gathers]
+                 for st in route.stacks]
+    gathered = [comm.Irecv(p.buf, left, TAG_GATHER) for _, p in route.gathers]
     sends, flagged = [], []
 
     def post(j):
         # Own is read for other owners only here, and every piece is posted
         # before any decode writes other shards into out (own, in place).
-        for dest, p in plan.sends[j] if j < len(plan.sends) else ():
+        for dest, p in route.sends[j] if j < len(route.sends) else ():
             fmt.encode(own[p.lo - own_offset:p.hi - own_offset], p.w, rmode)
             tally.start(p)
             sends.append(comm.Isend(fmt.message(p.buf), dest, TAG_SCATTER))
@@ -128,31 +128,31 @@ def run(comm, plan, fmt, own, out, op, rmode, tally, own_offset=0, out_offset=0)
         flagged.extend(block_ranges(p, skipped, fmt.block))
 
     post(0)
-    for j in range(max(len(plan.sends), len(plan.stacks))):
+    for j in range(max(len(route.sends), len(route.stacks))):
         # Piece j+1 goes out just before we wait for piece j: with every
         # piece posted at once, MPI interleaves them all on a link and the
         # first arrives near the end (measured on the emulated cluster),
         # leaving nothing to overlap.
         post(j + 1)
-        if j >= len(plan.stacks):
+        if j >= len(route.stacks):
             continue
-        st = plan.stacks[j]
+        st = route.stacks[j]
         waitall(scattered[j])
         for _, buf in st.parts:
             fmt.received(buf)
         mine = own[st.lo - own_offset:st.hi - own_offset]
-        if plan.kind == "reduce_scatter":
+        if route.kind == "reduce_scatter":
             res = out[st.lo - out_offset:st.hi - out_offset]
             skipped = fmt.decode_reduce_many(mine, r, st.w, res, op)
             tally.result(st.lo, st.hi, res, skipped, fmt.block, trailers=st.ts)
             flagged.extend(block_ranges(st, skipped, fmt.block))
             continue
-        q = plan.own[j]
+        q = route.own[j]
         fmt.decode_reduce_encode_many(mine, r, st.w, q.w, op, rmode)
         tally.many(st.ts, q, final=True)
         sends.append(comm.Isend(fmt.message(q.buf), right, TAG_GATHER))
         decode(q)
-    for (k, p), req in zip(plan.gathers, gathered):
+    for (k, p), req in zip(route.gathers, gathered):
         req.Wait()
         fmt.received(p.buf)
         if k < P - 2:
@@ -188,6 +188,6 @@ def variance(P):
 
 
 SCHEDULE = terms.Schedule(
-    "two_shot", seconds, variance, Plan=Plan, run=run,
+    "two_shot", seconds, variance, Route=Route, run=run,
     needs={"allreduce": ("encode", "decode_reduce_encode_many", "decode"),
            "reduce_scatter": ("encode", "decode_reduce_many")})

@@ -35,7 +35,7 @@ FIXED, AGREED, WINDOW, AT_RUN, UNKNOWN, SCHEDULE = (
 WHEN_PREPARED = (FIXED, AGREED, UNKNOWN)
 
 
-def bound_source(what, opname, dtype, P, method, nbytes, later, agreed, moved, tolerant):
+def source(what, opname, dtype, P, method, nbytes, later, agreed, moved, tolerant):
     """Where the bound of a call comes from (one of the names above).
     ``dtype``: None for a buffer only MPI can read; ``later``: its values
     are known only when it runs; ``agreed``: check and exact_bounds, exact
