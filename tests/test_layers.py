@@ -134,7 +134,8 @@ def _tool_faults(name, path, mods):
     public = {pkg: _all(pkg) for pkg in PUBLIC}
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     used, aliases, faults = [], {}, []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.startswith("equarx_mpi"):
@@ -156,7 +157,7 @@ def _tool_faults(name, path, mods):
               and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
               and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
             faults.append(f"reads private attribute {node.args[1].value}")
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         # a public package imported whole: its public names, or a module
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
                 and aliases.get(node.value.id) in PUBLIC):
