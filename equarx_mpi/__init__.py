@@ -8,6 +8,8 @@
 The MPI-facing names load on first use, so ``python -m equarx_mpi.cluster``
 (a launcher) does not initialize MPI itself.
 """
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.2.0"
 __all__ = ["QuantizedComm", "CallInfo", "Stats", "ErrorFeedback", "allreduce", "wrap", "warmup",
            "waitall", "testall", "startall", "abort_on_exception", "QUANTIZED_DTYPES",
@@ -19,7 +21,19 @@ _WHERE = {"QuantizedComm": "comm", "CallInfo": "call.records", "Stats": "call.re
           "abort_on_exception": "call.agree", "QUANTIZED_DTYPES": "names"}
 
 
-def __getattr__(name):
+if TYPE_CHECKING:      # what __getattr__ gives, for a type checker
+    from equarx_mpi.call.agree import abort_on_exception
+    from equarx_mpi.call.nonblocking import startall, testall, waitall
+    from equarx_mpi.call.records import CallInfo, Stats
+    from equarx_mpi.comm import QuantizedComm
+    from equarx_mpi.feedback import ErrorFeedback
+    from equarx_mpi.helper import allreduce
+    from equarx_mpi.names import QUANTIZED_DTYPES
+    from equarx_mpi.warmup import warmup
+    from equarx_mpi.wrapping import wrap
+
+
+def __getattr__(name: str) -> Any:
     if name in _WHERE:
         import importlib
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)

@@ -9,9 +9,12 @@ import contextlib
 import os
 import sys
 from time import perf_counter
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.typing import BufSpec, BufSpecB, InPlace
+from numpy.typing import ArrayLike, DTypeLike
 
 from equarx_mpi.bounds import bound, mpi_bound, tolerance
 from equarx_mpi.call import bound_from, options, policy
@@ -25,6 +28,7 @@ from equarx_mpi.collectives import exact
 from equarx_mpi.collectives.counting import Counting
 from equarx_mpi.collectives.engine import Engine
 from equarx_mpi.collectives.nodes import layout, split_nodes
+from equarx_mpi.feedback import ErrorFeedback
 from equarx_mpi.feedback import check as feedback_error
 from equarx_mpi.model import costmodel, profiles
 from equarx_mpi.names import BFLOAT16
@@ -60,7 +64,7 @@ class QuantizedComm(Running):
     ``block_bounds()`` gives it per block (docs/ERROR.md).
     """
 
-    def __init__(self, comm, **opts):
+    def __init__(self, comm: MPI.Comm, **opts: Any) -> None:
         if not isinstance(comm, MPI.Comm):
             raise TypeError(f"comm must be an mpi4py MPI.Comm, not {type(comm).__name__}")
         if comm == MPI.COMM_NULL:
@@ -87,7 +91,7 @@ class QuantizedComm(Running):
         self._agree_all = o["check"] == "all"
         if os.environ.get("EQUARX_MPI_ABORT_ON_EXCEPTION", "1") != "0":
             abort_on_exception()
-        self._comm = Counting(comm).Dup()
+        self._comm: Optional[Counting] = Counting(comm).Dup()
         # Agreements go over their own communicator: the caller's thread
         # agrees on a new call while the progress thread may be running
         # earlier ones on _comm.
@@ -122,7 +126,8 @@ class QuantizedComm(Running):
                                       _tell_lossy if log == "lossy" else None)
         self._engine = Engine(self._comm, o, self.one_node, compile_first, self.threads)
         self._compile_first = compile_first
-        self._shm = self._hier = self._between = None    # made on first use (collective)
+        # made on first use (collective); the window hides Running._shm (_RUN's)
+        self._shm = self._hier = self._between = None  # type: ignore[method-assign,assignment]
         self._size = self._comm.Get_size()
         self._ledger = Ledger(self._size, log)
         self._record = self._ledger.note
@@ -130,17 +135,17 @@ class QuantizedComm(Running):
         self._exact = 0       # depth of exact() blocks
 
     @property
-    def stats(self):
+    def stats(self) -> Stats:
         """Totals over all calls so far (a Stats)."""
         return self._ledger.stats()
 
     @property
-    def last_call(self):
+    def last_call(self) -> Optional[CallInfo]:
         """What the last call did (a CallInfo), None before the first."""
         return self._ledger.last
 
     @property
-    def last_error_bound(self):
+    def last_error_bound(self) -> Optional[float]:
         """A rigorous upper bound on |result_i - exact_i| over the last
         call's result values i that are finite, exact being the infinitely
         precise reduction of the inputs as given; the same float on every
@@ -153,7 +158,7 @@ class QuantizedComm(Running):
         info = self.last_call
         return None if info is None else info.error_bound
 
-    def block_bounds(self, out=None):
+    def block_bounds(self, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The last call's error bound per block of its result: element j
         bounds |result_i - exact_i| for the finite values i in [j*B,
         (j+1)*B), B = block_size, counted from the start of this rank's
@@ -169,7 +174,7 @@ class QuantizedComm(Running):
         return rec.blocks(out)
 
     # --- lifetime -----------------------------------------------------------
-    def free(self):
+    def free(self) -> None:
         """Collective: complete queued calls, release the duplicate
         communicators and workspace."""
         if self._comm is not None:
@@ -177,20 +182,20 @@ class QuantizedComm(Running):
             self._ledger.forget_plans()
             for part in (self._shm, self._between, self._hier):
                 if part is not None:
-                    part.free()
+                    part.free()     # type: ignore[union-attr]
             self._engine.free()
             self._ctl.Free()
             self._comm.Free()
             self._comm = None
 
-    def __enter__(self):
+    def __enter__(self) -> "QuantizedComm":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.free()
 
     @contextlib.contextmanager
-    def exact(self):
+    def exact(self) -> Iterator["QuantizedComm"]:
         """``with comm.exact(): ...``: every call inside is exact (as with
         accuracy="exact"), whatever the options.  Local: every rank enters
         it around the same calls."""
@@ -201,7 +206,8 @@ class QuantizedComm(Running):
             self._exact -= 1
 
     # --- public collectives ---------------------------------------------------
-    def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM, feedback=None):
+    def Allreduce(self, sendbuf: Union[BufSpec, InPlace], recvbuf: BufSpec, op: MPI.Op = MPI.SUM,
+                  feedback: Optional[ErrorFeedback] = None) -> None:
         """recvbuf = op over ranks of sendbuf.  ``MPI.IN_PLACE`` as sendbuf (or
         the same array twice) reduces recvbuf in place.  Returns None.
         ``feedback``: an ErrorFeedback (op SUM; ring or two_shot), whose
@@ -244,14 +250,16 @@ class QuantizedComm(Running):
                 c.method, info = "mpi", info._replace(method="mpi")
             self._ledger.keep(key, Plan(c, info, sent, self._ledger.blocks_of(c, info)))
 
-    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+    def Iallreduce(self, sendbuf: Union[BufSpec, InPlace], recvbuf: BufSpec,
+                   op: MPI.Op = MPI.SUM) -> MPI.Request:
         """Nonblocking Allreduce: returns a request (an MPI.Grequest: Wait,
         Test, MPI.Request.Waitall).  The arguments are checked and agreed
         now; the call runs in the progress thread (nonblocking.py).  Leave
         the buffers alone until the request completes."""
         return self._exec.submit(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op))
 
-    def Allreduce_init(self, sendbuf, recvbuf, op=MPI.SUM):
+    def Allreduce_init(self, sendbuf: Union[BufSpec, InPlace], recvbuf: BufSpec,
+                       op: MPI.Op = MPI.SUM) -> PersistentRequest:
         """Persistent Allreduce: checks, agreement and the choice of path
         happen once, here; each ``Start()`` of the returned request queues
         the call, ``Wait()`` completes it (nonblocking.PersistentRequest)."""
@@ -259,7 +267,8 @@ class QuantizedComm(Running):
                                  self._prepare("Allreduce", sendbuf, recvbuf, op,
                                                persistent=True))
 
-    def allreduce(self, x, op=MPI.SUM, feedback=None):
+    def allreduce(self, x: ArrayLike, op: MPI.Op = MPI.SUM,
+                  feedback: Optional[ErrorFeedback] = None) -> np.ndarray:
         """A new array with x's shape and dtype holding op over ranks of x."""
         x = np.asarray(x)
         x = np.ascontiguousarray(x).reshape(x.shape)    # keeps 0-d as 0-d
@@ -267,7 +276,8 @@ class QuantizedComm(Running):
         self.Allreduce(x, out, op, feedback)
         return out
 
-    def empty(self, shape, dtype=np.float32):
+    def empty(self, shape: Union[int, tuple[int, ...]],
+              dtype: DTypeLike = np.float32) -> np.ndarray:
         """Collective: an uninitialised array to reduce with ``algorithm="shm"``.
         On one node it lives in the shared window, so an Allreduce with it as
         sendbuf (or recvbuf, in place) skips the copy in; every call returns
@@ -281,7 +291,8 @@ class QuantizedComm(Running):
             return self._window().empty(shape, dtype)
         return np.empty(shape, dtype)
 
-    def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
+    def Reduce_scatter_block(self, sendbuf: Union[BufSpecB, InPlace],
+                             recvbuf: Union[BufSpec, BufSpecB], op: MPI.Op = MPI.SUM) -> None:
         """recvbuf (m values) = op over ranks of block ``rank`` of sendbuf
         (P*m values).  With ``MPI.IN_PLACE`` the input is recvbuf (P*m values)
         and the result goes to its first m.  The result is not requantized:
@@ -289,7 +300,7 @@ class QuantizedComm(Running):
         self._exec.run(self._execute,
                        self._prepare("Reduce_scatter_block", sendbuf, recvbuf, op))
 
-    def Allgather(self, sendbuf, recvbuf):
+    def Allgather(self, sendbuf: Union[BufSpec, InPlace], recvbuf: BufSpecB) -> None:
         """recvbuf (P*m values) = the m values of every rank, quantized once
         by their owner; the owner's own block is the dequantized form too, so
         recvbuf is identical on every rank.  ``MPI.IN_PLACE``: rank r's values
@@ -378,7 +389,8 @@ class QuantizedComm(Running):
                                   self.check and self.options["exact_bounds"], fb, tolerant)
         return method, reason, source, tolerant
 
-    def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
+    def crossover(self, dtype: DTypeLike = np.float32, what: str = "Allreduce",
+                  op: MPI.Op = MPI.SUM, upto: int = 1 << 31) -> Optional[int]:
         """The smallest message (bytes per rank) from which calls of this
         kind are quantized, or None if none up to ``upto`` is (local: no
         communication; every rank answers alike)."""

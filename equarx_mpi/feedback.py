@@ -37,8 +37,11 @@ compares; the position of a piece is where its ``own`` view starts in the
 input.  Works with the ring and two-shot schedules (Allreduce, op SUM);
 hierarchical calls raise ValueError.
 """
+from typing import Optional
+
 import ml_dtypes
 import numpy as np
+from numpy.typing import DTypeLike
 
 from equarx_mpi.kernels.gap import max_finite_gap
 from equarx_mpi.names import QUANTIZED_DTYPES, VALUE_DTYPE, acc_dtype, kernel_view
@@ -55,7 +58,7 @@ class ErrorFeedback:
     call with another raises ValueError until ``reset()``.  Not shared
     between buffers or threads: use one per buffer."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.reset()
 
     # The residual is kept negated, as what the quantizations gained
@@ -63,14 +66,14 @@ class ErrorFeedback:
     # cancellations give +0.0, and x - (+0.0) is x for every x, -0.0 too,
     # where x + (+0.0) would turn -0.0 into +0.0.
 
-    def reset(self):
+    def reset(self) -> None:
         """Drop the residual: the next call starts afresh, with any shape."""
         self._count = self._dtype = None
         self._gain = self._next = self._adj = self._tmp = None
-        self._flagged = []
+        self._flagged: list[tuple[int, int]] = []
 
     @property
-    def residual(self):
+    def residual(self) -> Optional[np.ndarray]:
         """This rank's residual after the last call (a read-only copy,
         float32, or float64 for float64 buffers), or None before the first
         call."""
@@ -80,7 +83,7 @@ class ErrorFeedback:
         v.flags.writeable = False
         return v
 
-    def load(self, residual, dtype):
+    def load(self, residual: np.ndarray, dtype: DTypeLike) -> None:
         """Start from ``residual`` (as ``residual`` gives it) for buffers of
         ``dtype``: a residual moved to a new layout of the same values (the
         DDP hook's bucket rebuilds) or restored."""
@@ -88,7 +91,7 @@ class ErrorFeedback:
         self.begin(np.zeros(len(residual), dtype))      # sizes the buffers
         np.negative(residual, out=self._gain)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self._gain is None:
             return "ErrorFeedback(empty)"
         return (f"ErrorFeedback({self._count} {self._dtype.name} values, "

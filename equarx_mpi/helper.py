@@ -1,6 +1,10 @@
 """``equarx_mpi.allreduce``: one call for scripts, with the QuantizedComm
 cached on the communicator itself."""
+from typing import Any, Optional
+
+import numpy as np
 from mpi4py import MPI
+from numpy.typing import ArrayLike
 
 from equarx_mpi.call import options
 from equarx_mpi.call.agree import agree
@@ -14,7 +18,8 @@ def _drop_cached(comm, keyval, cached):
         qc.free()
 
 
-def allreduce(x, comm=None, op=MPI.SUM, **opts):
+def allreduce(x: ArrayLike, comm: Optional[MPI.Comm] = None, op: MPI.Op = MPI.SUM,
+              **opts: Any) -> np.ndarray:
     """op over the ranks of ``comm`` (default COMM_WORLD) of array x, as a new
     array.  The QuantizedComm for (comm, options) is created on first use and
     cached on ``comm`` itself (an MPI attribute), freed with ``comm``.
@@ -34,6 +39,7 @@ def allreduce(x, comm=None, op=MPI.SUM, **opts):
     if comm.Is_inter():
         raise TypeError("equarx_mpi.allreduce needs an intra-communicator; "
                         "got an inter-communicator")
+    key: Any     # None for bad options: agree() raises them
     try:
         key, err = tuple(sorted(options.resolve(opts).items())), None
     except (TypeError, ValueError) as e:
@@ -41,7 +47,7 @@ def allreduce(x, comm=None, op=MPI.SUM, **opts):
     agree(comm, "equarx_mpi.allreduce", [("options", str(key))], err)
     if _keyval is None:
         _keyval = MPI.Comm.Create_keyval(delete_fn=_drop_cached)
-    cached = comm.Get_attr(_keyval)
+    cached: Any = comm.Get_attr(_keyval)
     if cached is None:
         cached = {}
         comm.Set_attr(_keyval, cached)

@@ -14,7 +14,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 QUANTIZED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BFLOAT16)
 #: The kernels see 16-bit floats as their bits (numba has no float16 or
 #: bfloat16 arithmetic): value dtype -> the kernels' element type.
-KERNEL_DTYPE = {np.dtype(np.float32): np.dtype(np.float32),
+KERNEL_DTYPE: "dict[np.dtype, np.dtype]" = {np.dtype(np.float32): np.dtype(np.float32),
                 np.dtype(np.float64): np.dtype(np.float64),
                 np.dtype(np.float16): np.dtype(np.int16),
                 BFLOAT16: np.dtype(np.uint16)}

@@ -49,19 +49,34 @@ of QuantizedComm, and EQUARX_MPI_<OPTION> / EQUARX_MPI_DISABLE apply.
 import contextlib
 import functools
 from time import perf_counter
+from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 import numpy as np
 from mpi4py import MPI
+from numpy.typing import DTypeLike
 
 from equarx_mpi.call.buffers import OPAQUE
 from equarx_mpi.call.nonblocking import FREED, PersistentRequest
 from equarx_mpi.call.plans import signature
 from equarx_mpi.call.validate import QUANTIZED_DTYPES, op_name
 from equarx_mpi.collectives import exact
-from equarx_mpi.comm import QuantizedComm, Stats
+from equarx_mpi.comm import CallInfo, QuantizedComm, Stats
+
+if TYPE_CHECKING:
+    class WrappedComm(MPI.Intracomm):
+        """What wrap() gives, to a type checker (no such class at run
+        time): an mpi4py Intracomm (in fact of comm's own class) with
+        last_call, stats, exact() and crossover() too."""
+        @property
+        def last_call(self) -> Optional[CallInfo]: ...
+        @property
+        def stats(self) -> Stats: ...
+        def exact(self) -> ContextManager["WrappedComm"]: ...
+        def crossover(self, dtype: DTypeLike = ..., what: str = ..., op: MPI.Op = ...,
+                      upto: int = ...) -> Optional[int]: ...
 
 
-def wrap(comm, **opts):
+def wrap(comm: MPI.Intracomm, **opts: Any) -> "WrappedComm":
     """A communicator that is ``comm`` (same handle, same class and more) whose
     reduction collectives go through equarx_mpi's policy.  Collective."""
     if not isinstance(comm, MPI.Intracomm):
@@ -196,7 +211,7 @@ class _Wrapped:
 
     # mpi4py makes objects of our class without __init__ (Dup, Idup): the
     # method that made them sets the options (_rewrap), else the defaults hold.
-    _eq_opts = {}
+    _eq_opts: "dict[str, Any]" = {}
     _eq_qc = None
     _eq_exact = 0       # depth of exact() blocks
     _eq_const = False           # wrap() of mpi4py's constant: free() is a no-op

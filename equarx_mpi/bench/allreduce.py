@@ -26,12 +26,11 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from equarx_mpi import QuantizedComm, wrap
 from equarx_mpi.bench.common import arg_type, human, mpi_library, node_cores, parse_size, sizes
 from equarx_mpi.bench.methods import DEFAULT_METHODS, METHODS, PIECES, parse_methods
 from equarx_mpi.bench.report import COLUMNS, LEGEND, footer, format_row, summary
-from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.names import BFLOAT16
-from equarx_mpi.wrapping import wrap
 
 DTYPES = {"float32": np.float32, "float64": np.float64, "float16": np.float16,
           "bfloat16": BFLOAT16}

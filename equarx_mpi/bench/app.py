@@ -112,8 +112,7 @@ def run(a, comm=MPI.COMM_WORLD):
     methods = parse_methods(a.methods)
     say = (lambda *x: print(*x, flush=True)) if rank == 0 else (lambda *x: None)
     qcs = {}
-    from equarx_mpi.comm import QuantizedComm
-    from equarx_mpi.wrapping import wrap
+    from equarx_mpi import QuantizedComm, wrap
     for m in methods:
         opts = METHODS[m].options
         if opts is not None:

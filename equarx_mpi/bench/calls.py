@@ -32,9 +32,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from equarx_mpi import QuantizedComm, wrap
 from equarx_mpi.bench.common import arg_type, comma_list, human, mpi_library, node_cores, parse_size
-from equarx_mpi.comm import QuantizedComm
-from equarx_mpi.wrapping import wrap
 
 PROG = "python -m equarx_mpi.bench calls"
 SIZES = "8,64,4K,64K,1M,16M,64M"

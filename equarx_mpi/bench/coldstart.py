@@ -46,7 +46,7 @@ def _child(args):
     import numpy as np
     from mpi4py import MPI
 
-    from equarx_mpi.comm import QuantizedComm
+    from equarx_mpi import QuantizedComm
     from equarx_mpi.names import BFLOAT16
     t_import = time.perf_counter() - t0
     world = MPI.COMM_WORLD

@@ -37,7 +37,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi.comm import QuantizedComm
+from equarx_mpi import QuantizedComm
 from equarx_mpi.wire import mixed
 
 PROG = "python -m equarx_mpi.bench tolerance"

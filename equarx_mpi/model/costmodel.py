@@ -132,6 +132,16 @@ class Hw:
         return _variant(self, threads=threads, floor=floor, _speed={},
                         _measured=thread_rates(profile, wire))
 
+    def changed(self, **changes):
+        """A copy of this layout with some parameters changed (tune
+        predict's clusters that were not measured)."""
+        return _variant(self, **changes)
+
+    def seconds(self, method, v, s, w, chunks, inner="two_shot"):
+        """The physical model's time of ``method`` on this layout
+        (physical._physical's arguments)."""
+        return _physical(method, self, v, s, w, chunks, inner)
+
     def k(self, name, values=None):
         """Seconds per value of a kernel with every rank computing, in
         calls of ``values`` values (threads as wire/threaded.py cuts them:

@@ -27,7 +27,9 @@ except ImportError as e:        # pragma: no cover - the module's one preconditi
     raise ImportError("equarx_mpi.torch needs PyTorch >= 2.2: "
                       "pip install 'equarx_mpi[torch]'") from e
 import contextlib
+from typing import Any, Iterator, Optional
 
+from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.torch import rendezvous
 from equarx_mpi.torch.group import EXACT, ProcessGroupEquarx
 from equarx_mpi.torch.hook import HookState, allreduce_hook
@@ -69,14 +71,14 @@ def _group(group):
     return pg
 
 
-def qcomm(group=None):
+def qcomm(group: Optional[dist.ProcessGroup] = None) -> QuantizedComm:
     """The QuantizedComm behind ``group``'s all_reduce and reduce_scatter
     (None: the default group): its ``last_call``, ``stats``,
     ``last_error_bound``, ``crossover()``."""
     return _group(group).qcomm
 
 
-def options(group=None, **opts):
+def options(group: Optional[dist.ProcessGroup] = None, **opts: Any) -> "dict[str, Any]":
     """``group``'s QuantizedComm options (None: the default group).  With
     keywords, collective over the group: they update its options, every
     later call uses them (calls already queued finish first); bad ones
@@ -86,7 +88,7 @@ def options(group=None, **opts):
 
 
 @contextlib.contextmanager
-def exact(group=None):
+def exact(group: Optional[dist.ProcessGroup] = None) -> Iterator[None]:
     """``with equarx_mpi.torch.exact(): ...``: every call made inside is
     exact, whatever the options, on ``group`` (None: every equarx group and
     HookState).  Local: every rank enters it around the same calls."""

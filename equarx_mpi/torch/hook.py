@@ -26,6 +26,7 @@ share the state's queue and QuantizedComm).
 """
 import contextlib
 import weakref
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -50,7 +51,8 @@ class HookState:
     ``feedback``: carry each parameter's quantization residual to its
     next step (``residual(param)`` shows it)."""
 
-    def __init__(self, comm=None, feedback=False, process_group=None, **options):
+    def __init__(self, comm: Optional[MPI.Intracomm] = None, feedback: bool = False,
+                 process_group: Optional[dist.ProcessGroup] = None, **options: Any) -> None:
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(comm, MPI.Intracomm):
             raise TypeError(f"equarx: HookState takes an mpi4py intra-communicator, not "
@@ -62,11 +64,12 @@ class HookState:
         self.qc = QuantizedComm(comm, **options)
         self.feedback = bool(feedback)
         self._size = comm.Get_size()
-        self._layouts = {}      # ids of a bucket's parameters -> _Layout
-        self._owner = {}        # id(parameter) -> (_Layout holding its residual, index there)
+        self._layouts: "dict[tuple[int, ...], _Layout]" = {}    # by its parameters' ids
+        # id(parameter) -> (the _Layout holding its residual, its index there)
+        self._owner: "dict[int, tuple[_Layout, int]]" = {}
         self._exec = Executor()
 
-    def residual(self, param):
+    def residual(self, param: torch.Tensor) -> Optional[np.ndarray]:
         """This rank's residual of parameter ``param`` (a copy shaped like
         it, float32 or float64 for float64), or None."""
         lay, i = self._owner.get(id(param), (None, 0))
@@ -113,15 +116,15 @@ class HookState:
         self._layouts[key] = new
         return new
 
-    def free(self):
+    def free(self) -> None:
         """Collective: finish queued buckets and free the QuantizedComm."""
         self._exec.close()
         self.qc.free()
 
-    def __enter__(self):
+    def __enter__(self) -> "HookState":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.free()
 
     def __getstate__(self):
@@ -167,7 +170,8 @@ def _mismatch(comm, process_group):
     return None
 
 
-def allreduce_hook(state, bucket):
+def allreduce_hook(state: HookState,
+                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: a future of the bucket's average over the
     ranks, reduced by ``state.qc`` (quantized where its policy says)."""
     t = bucket.buffer()

@@ -173,7 +173,7 @@ def _layout_comms(world, node):
 
 
 def _methods_times(comm, methods, sizes, iters, opts, say):
-    from equarx_mpi.comm import QuantizedComm
+    from equarx_mpi import QuantizedComm
     # as callers run them (check=True, the default): the agreement and the
     # exact paths' magnitude pass for the error bound are part of the cost
     qcs = {m: QuantizedComm(comm, algorithm=m, min_quantized_bytes=0, **opts)

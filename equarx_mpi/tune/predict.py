@@ -74,9 +74,8 @@ def cluster_hw(profile, nodes, rpn, rate_bits, latency, wire="int8", threads=1, 
     ``w``: wire bytes per value (the kernels' memory traffic)."""
     base = costmodel.Hw(profile, 1, 2, wire, "float32")
     P = nodes * rpn
-    hw = costmodel._variant(base, nodes=nodes, rpn=rpn, share=1.0,
-                            copy=profile["copy"], net_alpha=latency,
-                            net_beta=8.0 / rate_bits, sync=2 * latency * costmodel.lg(P))
+    hw = base.changed(nodes=nodes, rpn=rpn, share=1.0, copy=profile["copy"], net_alpha=latency,
+                      net_beta=8.0 / rate_bits, sync=2 * latency * costmodel.lg(P))
     mem = costmodel.node_copy(profile) if memory is None else memory
     return hw.threaded(profile, wire, threads, mem * rpn, 4, w)
 
@@ -101,8 +100,8 @@ def predict_times(profile, nodes, rpn, rate_bits, latency, nbytes, wire="int8", 
     for method in ("mpi",) + LOSSY:
         if method == "hierarchical" and (rpn == 1 or nodes == 1):
             continue
-        out[method] = costmodel._physical(method, hw, nbytes / 4, 4, w, m.pieces(method, nbytes),
-                                          between_nodes(wire))
+        out[method] = hw.seconds(method, nbytes / 4, 4, w, m.pieces(method, nbytes),
+                                 between_nodes(wire))
     return out
 
 
