@@ -1,10 +1,10 @@
-"""The public edge: QuantizedComm.  Arguments are checked (call/validate.py)
-and agreed across ranks (call/agree.py), the method is chosen
-(call/policy.py) and where the error bound comes from (call/bound_from.py); then
-the method's runner (_RUN) runs a schedule (collectives/engine.py), the
-shared window (collectives/shm.py) or MPI's own (collectives/exact.py), in
-the caller's thread or, for nonblocking and persistent calls, in the
-progress thread (call/nonblocking.py)."""
+"""The public edge: QuantizedComm.  A call is set up (call/setup.py: its
+arguments checked and agreed across ranks, the method chosen, where its
+error bound comes from), then run (running.py's Runner: a schedule of
+collectives/engine.py, the shared window or MPI's own), in the caller's
+thread or, for nonblocking and persistent calls, in the progress thread
+(call/nonblocking.py); a repeated call MPI runs takes its plan
+(call/plans.py).  wrap() drives it through the internal interface below."""
 import contextlib
 import os
 import sys
@@ -16,14 +16,14 @@ from mpi4py import MPI
 from mpi4py.typing import BufSpec, BufSpecB, InPlace
 from numpy.typing import ArrayLike, DTypeLike
 
-from equarx_mpi.bounds import bound, mpi_bound, tolerance
-from equarx_mpi.call import bound_from, options, policy
+from equarx_mpi.bounds import bound
+from equarx_mpi.call import options, policy
 from equarx_mpi.call.agree import abort_on_exception, agree, agreed
-from equarx_mpi.call.buffers import OPAQUE, is_in_place
 from equarx_mpi.call.nonblocking import FREED, Executor, PersistentRequest
 from equarx_mpi.call.plans import Plan, signature
-from equarx_mpi.call.records import Call, CallInfo, Ledger, Stats, uncompressed_bytes  # noqa: F401 (public here)
-from equarx_mpi.call.validate import check_buffers, op_name
+from equarx_mpi.call.records import CallInfo, Ledger, Stats, uncompressed_bytes  # noqa: F401 (public here)
+from equarx_mpi.call.setup import Setup
+from equarx_mpi.call.validate import op_name
 from equarx_mpi.collectives import exact
 from equarx_mpi.collectives.counting import Counting
 from equarx_mpi.collectives.engine import Engine
@@ -32,14 +32,14 @@ from equarx_mpi.feedback import ErrorFeedback
 from equarx_mpi.feedback import check as feedback_error
 from equarx_mpi.model import costmodel, profiles
 from equarx_mpi.names import BFLOAT16
-from equarx_mpi.running import Running
+from equarx_mpi.running import Runner
 from equarx_mpi.threads import check as check_threads
 from equarx_mpi.threads import default_threads
 
 _IN_PLACE = MPI.IN_PLACE
 
 
-class QuantizedComm(Running):
+class QuantizedComm:
     """AllReduce and its halves on ``comm``, sending block-quantized data.
 
     Collective: every rank of ``comm`` creates it with the same options.
@@ -86,9 +86,6 @@ class QuantizedComm(Running):
         self.options = o
         self.wire, self.block_size = o["wire"], o["block_size"]
         self.algorithm, self.lossy_ops, self.check = o["algorithm"], o["lossy_ops"], o["check"]
-        self._tolerant = o["abs_tol"] is not None or o["rel_tol"] is not None
-        # check="all": MPI's own path is agreed too, so it keeps no plan
-        self._agree_all = o["check"] == "all"
         if os.environ.get("EQUARX_MPI_ABORT_ON_EXCEPTION", "1") != "0":
             abort_on_exception()
         self._comm: Optional[Counting] = Counting(comm).Dup()
@@ -124,14 +121,13 @@ class QuantizedComm(Running):
         log = options.logging() if self._comm.Get_rank() == 0 else "none"
         self._choose = policy.Chooser(o, P, self.layout, model,
                                       _tell_lossy if log == "lossy" else None)
-        self._engine = Engine(self._comm, o, self.one_node, compile_first, self.threads)
-        self._compile_first = compile_first
-        # made on first use (collective); the window hides Running._shm (_RUN's)
-        self._shm = self._hier = self._between = None  # type: ignore[method-assign,assignment]
+        self._setup = Setup(o, P, self._choose, self._agree, self._ctl, feedback_error)
         self._size = self._comm.Get_size()
         self._ledger = Ledger(self._size, log)
-        self._record = self._ledger.note
         self._exec = Executor()
+        self._runner = Runner(self._comm, Engine(self._comm, o, self.one_node, compile_first,
+                                                 self.threads),
+                              o, self.threads, compile_first, self._ledger.note, self._exec)
         self._exact = 0       # depth of exact() blocks
 
     @property
@@ -180,10 +176,7 @@ class QuantizedComm(Running):
         if self._comm is not None:
             self._exec.close()
             self._ledger.forget_plans()
-            for part in (self._shm, self._between, self._hier):
-                if part is not None:
-                    part.free()     # type: ignore[union-attr]
-            self._engine.free()
+            self._runner.free()
             self._ctl.Free()
             self._comm.Free()
             self._comm = None
@@ -214,17 +207,27 @@ class QuantizedComm(Running):
         residual joins this rank's input and takes up what this call's
         quantizations lose (feedback.py)."""
         if feedback is None:
-            p = self._ledger.plan(sendbuf, recvbuf, op, self._exact)
-            if p is not None:
-                return self._run_plan(p, sendbuf, recvbuf, op)
+            if self._repeat(sendbuf, recvbuf, op, self._comm.Allreduce):
+                return
             c = self._prepare("Allreduce", sendbuf, recvbuf, op)
-            self._keep(signature(sendbuf, recvbuf, op, self._exact), c)
+            self._keep(sendbuf, recvbuf, op, c)
         else:
             c = self._prepare("Allreduce", sendbuf, recvbuf, op, feedback=feedback)
-        self._exec.run(self._execute, c)
+        self._exec.run(self._runner.execute, c)
 
-    def _run_plan(self, p, sendbuf, recvbuf, op):
-        """A repeated call that is MPI's own: just that, and its tally."""
+    # --- what wrap() drives (wrapping.py): internal, not the API -------------------
+    # _prepare(what, sendbuf, recvbuf, op, opaque_ok=True, persistent=...) a
+    # Call; then _run_here, _queued or _persistent run it, or _by_mpi records
+    # MPI's own call for it; _repeat a repeated Allreduce by its plan, and
+    # _keep its plan; _set_exact the depth of exact() blocks; _closed;
+    # _crossover_wrapped.
+    def _repeat(self, sendbuf, recvbuf, op, allreduce):
+        """Run a repeated Allreduce by its plan (call/plans.py: MPI's own
+        collective, ``allreduce(sendbuf, recvbuf, op)``, or a copy) and tally
+        it: True; False if it has no plan."""
+        p = self._ledger.plan(sendbuf, recvbuf, op, self._exact)
+        if p is None:
+            return False
         if not self._exec.idle:
             self._exec.drain()
         t0 = perf_counter()
@@ -232,20 +235,38 @@ class QuantizedComm(Running):
             if not p.in_place:          # the same size, maybe another shape (as MPI)
                 recvbuf.reshape(-1, order="A")[...] = sendbuf.reshape(-1, order="A")
         else:
-            self._comm.Allreduce(_IN_PLACE if p.in_place else sendbuf, recvbuf, op)
-        p.last = t = perf_counter() - t0
-        p.calls += 1
-        p.seconds += t
-        self._ledger._last = p
+            allreduce(_IN_PLACE if p.in_place else sendbuf, recvbuf, op)
+        self._ledger.ran(p, perf_counter() - t0)
+        return True
 
-    def _keep(self, key, c, by_mpi=False):
-        """Remember c's plan under signature ``key`` if it is MPI's own
-        collective (or a copy) with nothing to agree or compute per call;
-        ``by_mpi``: a wrapped communicator's, which MPI runs (also a copy)."""
+    def _run_here(self, c):
+        self._exec.run(self._runner.execute, c)
+
+    def _queued(self, c):
+        return self._exec.submit(self._runner.execute, c)
+
+    def _persistent(self, c):
+        return PersistentRequest(self._exec, self._runner.execute, c)
+
+    def _by_mpi(self, c, fn):
+        return self._runner.by_mpi(c, fn)
+
+    def _set_exact(self, depth):
+        self._exact = depth
+
+    @property
+    def _closed(self):
+        return self._exec.closed
+
+    def _keep(self, sendbuf, recvbuf, op, c, by_mpi=False):
+        """Remember the plan of c, an Allreduce of these arguments, if it is
+        MPI's own collective (or a copy) with nothing to agree or compute per
+        call; ``by_mpi``: a wrapped communicator's, which MPI runs (also a copy)."""
+        key = signature(sendbuf, recvbuf, op, self._exact)
         if (key is not None and c.direct and c.recv.dtype not in exact.UPCAST_DTYPES
-                and not self._agree_all):
+                and not self._setup.agree_all):
             sent = uncompressed_bytes(c.what, c.nbytes, self._size)
-            info = self._info(c, 0, sent, 0.0, c.bound)
+            info = self._runner.info(c, 0, sent, 0.0, c.bound)
             if by_mpi:
                 c.method, info = "mpi", info._replace(method="mpi")
             self._ledger.keep(key, Plan(c, info, sent, self._ledger.blocks_of(c, info)))
@@ -256,14 +277,14 @@ class QuantizedComm(Running):
         Test, MPI.Request.Waitall).  The arguments are checked and agreed
         now; the call runs in the progress thread (nonblocking.py).  Leave
         the buffers alone until the request completes."""
-        return self._exec.submit(self._execute, self._prepare("Allreduce", sendbuf, recvbuf, op))
+        return self._queued(self._prepare("Allreduce", sendbuf, recvbuf, op))
 
     def Allreduce_init(self, sendbuf: Union[BufSpec, InPlace], recvbuf: BufSpec,
                        op: MPI.Op = MPI.SUM) -> PersistentRequest:
         """Persistent Allreduce: checks, agreement and the choice of path
         happen once, here; each ``Start()`` of the returned request queues
         the call, ``Wait()`` completes it (nonblocking.PersistentRequest)."""
-        return PersistentRequest(self._exec, self._execute,
+        return PersistentRequest(self._exec, self._runner.execute,
                                  self._prepare("Allreduce", sendbuf, recvbuf, op,
                                                persistent=True))
 
@@ -288,7 +309,7 @@ class QuantizedComm(Running):
         dtype = np.dtype(dtype)
         if self.layout.one_node and self._size > 1 and (dtype.kind == "f" or dtype == BFLOAT16) \
                 and dtype.itemsize <= 8:
-            return self._window().empty(shape, dtype)
+            return self._runner.window().empty(shape, dtype)
         return np.empty(shape, dtype)
 
     def Reduce_scatter_block(self, sendbuf: Union[BufSpecB, InPlace],
@@ -297,7 +318,7 @@ class QuantizedComm(Running):
         (P*m values).  With ``MPI.IN_PLACE`` the input is recvbuf (P*m values)
         and the result goes to its first m.  The result is not requantized:
         it is the full-precision reduction of the quantized partial sums."""
-        self._exec.run(self._execute,
+        self._exec.run(self._runner.execute,
                        self._prepare("Reduce_scatter_block", sendbuf, recvbuf, op))
 
     def Allgather(self, sendbuf: Union[BufSpec, InPlace], recvbuf: BufSpecB) -> None:
@@ -305,89 +326,19 @@ class QuantizedComm(Running):
         by their owner; the owner's own block is the dequantized form too, so
         recvbuf is identical on every rank.  ``MPI.IN_PLACE``: rank r's values
         are read from block r of recvbuf."""
-        self._exec.run(self._execute, self._prepare("Allgather", sendbuf, recvbuf, None))
+        self._exec.run(self._runner.execute, self._prepare("Allgather", sendbuf, recvbuf, None))
 
     # --- internals --------------------------------------------------------------
-    def _prepare(self, what, sendbuf, recvbuf, op, opaque_ok=False, persistent=False,
-                 feedback=None):
-        """A Call: the arguments checked and, with check=True, agreed across
-        ranks unless it is MPI's own collective with nothing to agree
-        (docs/ROBUSTNESS.md), the method chosen, and where its error bound
-        comes from (call/bound_from.py).  With opaque_ok (a wrapped communicator)
-        a buffer only MPI can read gives a Call with recv OPAQUE, for MPI to
-        run unchanged, and auto's exact calls are MPI's own (policy.choose's
-        ``wrapped``); ``persistent``: the values come when each Start() runs."""
+    def _prepare(self, what, sendbuf, recvbuf, op, **how):
+        """A Call, checked, agreed and decided (call/setup.py)."""
         if self._comm is None:
             raise ValueError(FREED)
-        P = self._size
-        send, recv, meta, err = check_buffers(what, sendbuf, recvbuf, op, P, opaque_ok)
-        name = "sum" if what == "Allgather" else (
-            op_name(op) if isinstance(op, MPI.Op) else None)
-        fb = feedback is not None
-        if err is None:
-            nbytes = dict(meta)["count"] * recv.dtype.itemsize if recv is not OPAQUE else 0
-        elif recv is not None and name is not None:     # the path the call would take
-            whole = what == "Reduce_scatter_block" and not is_in_place(sendbuf)
-            nbytes = recv.size * (P if whole else 1) * recv.dtype.itemsize
-        else:
-            raise err               # its path unknown here: raised here, as mpi4py does
-        method, reason, source, tolerant = self._path(what, name, recv, nbytes, fb, opaque_ok,
-                                                      persistent, quiet=err is not None)
-        direct = method in ("mpi", "copy") and source in (bound_from.FIXED, bound_from.UNKNOWN) and not fb
-        if err is not None:
-            # the others agree exactly where this call's path is the library's own
-            if self.check and (not direct or self._agree_all):
-                self._agree(what, meta + [("feedback", int(fb)), ("method", method)], err)
-            raise err
-        known = recv is not OPAQUE
-        dtype = recv.dtype if known else None
-        if fb:
-            err = feedback_error(feedback, name, recv, method)
-        if tolerant and (persistent or fb) and err is None:
-            err = ValueError(tolerance.NOT_PERSISTENT)
-        most = None
-        if (source == bound_from.AGREED or tolerant) and self.check:
-            most = mpi_bound.largest(recv if send is None else send)
-        meta = meta + [("feedback", int(fb))]
-        c = Call(what, send, recv, op, name, method, reason, nbytes, source, feedback)
-        c.direct = direct
-        # MPI's own path agrees on nothing (but with check="all"): a rank that
-        # kept its plan does not either
-        if self.check and (err is not None or not c.direct or self._agree_all):
-            most = self._agree(what, meta + [("method", method)], err, most)
-        elif err is not None:
-            raise err
-        if tolerant:          # check=False: its own 8-byte MAX Allreduce finds M
-            most = bound_from.settle(self.options, c, P, most, self._ctl)
-        if c.bound is None and c.bound_from in bound_from.WHEN_PREPARED:
-            c.bound = 0.0 if known and not nbytes else mpi_bound.error_bound(what, name, dtype, P,
-                                                                         most)
-        return c
+        return self._setup.prepare(what, sendbuf, recvbuf, op, self._exact, **how)
 
     def _agree(self, what, meta, err, most=None):
         """The call's agreement (call/agree.py); a torch group's QuantizedComm
         agrees through the group's own, once per call (torch/group.py)."""
         return agree(self._ctl, what, meta, err, most)
-
-    def _path(self, what, name, recv, nbytes, fb, opaque_ok, persistent, quiet=False):
-        """(method, reason, where its bound comes from, tolerant) of a call
-        on ``recv`` (OPAQUE: a buffer only MPI can read) of ``nbytes``;
-        ``fb``: with error feedback; ``quiet``: no lossy log line (a call
-        refused for its arguments)."""
-        P = self._size
-        known = recv is not OPAQUE
-        if not known:
-            method, reason = "mpi", "device memory or a derived datatype: MPI unchanged"
-        elif nbytes == 0:
-            method, reason = ("copy" if P == 1 else "mpi"), "empty message"
-        else:
-            method, reason = self._choose(what, name, recv.dtype, nbytes, fb, opaque_ok,
-                                          self._exact > 0, quiet=quiet)
-        dtype = recv.dtype if known else None
-        tolerant = bool(self._tolerant and nbytes and mpi_bound.sums_floats(what, name, dtype, P))
-        source = bound_from.source(what, name, dtype, P, method, nbytes, persistent or fb,
-                                  self.check and self.options["exact_bounds"], fb, tolerant)
-        return method, reason, source, tolerant
 
     def crossover(self, dtype: DTypeLike = np.float32, what: str = "Allreduce",
                   op: MPI.Op = MPI.SUM, upto: int = 1 << 31) -> Optional[int]:
@@ -395,6 +346,10 @@ class QuantizedComm(Running):
         kind are quantized, or None if none up to ``upto`` is (local: no
         communication; every rank answers alike)."""
         return self._choose.crossover(what, op_name(op), np.dtype(dtype), upto)
+
+    def _crossover_wrapped(self, dtype, what, op, upto):
+        """crossover() of a wrapped communicator's calls (policy's ``wrapped``)."""
+        return self._choose.crossover(what, op_name(op), np.dtype(dtype), upto, wrapped=True)
 
 
 def _tell_lossy(shape, method, reason):

@@ -43,6 +43,7 @@ import ml_dtypes
 import numpy as np
 from numpy.typing import DTypeLike
 
+from equarx_mpi.collectives.registry import SCHEDULES
 from equarx_mpi.kernels.gap import max_finite_gap
 from equarx_mpi.names import QUANTIZED_DTYPES, VALUE_DTYPE, acc_dtype, kernel_view
 from equarx_mpi.wire.streams import address
@@ -167,10 +168,11 @@ def check(fb, opname, recv, method):
     if recv.dtype not in QUANTIZED_DTYPES:
         return ValueError(f"Allreduce: feedback= takes float32, float64, float16 or bfloat16 "
                           f"buffers, not {recv.dtype}")
-    if method in ("hierarchical", "rabenseifner"):
-        # rabenseifner requantizes partial sums kept outside the input: the
-        # residual would not know their positions
-        return ValueError(f"Allreduce: feedback= works with algorithm 'ring' or 'two_shot' "
+    if method in SCHEDULES and not SCHEDULES[method].feedback:
+        # e.g. rabenseifner requantizes partial sums kept outside the input:
+        # the residual would not know their positions
+        ok = " or ".join(repr(n) for n, s in SCHEDULES.items() if s.feedback)
+        return ValueError(f"Allreduce: feedback= works with algorithm {ok} "
                           f"(and the exact paths); this call would be {method!r}")
     if fb._count is not None and (fb._count, fb._dtype) != (recv.size, recv.dtype):
         return ValueError(f"Allreduce: this ErrorFeedback holds the residual of "

@@ -1,7 +1,7 @@
-"""How QuantizedComm runs a prepared call (call/records.Call): the
+"""How a QuantizedComm runs a prepared call (call/records.Call): the
 method's runner (_RUN) on the library's communicator, with its error
 bound and its record; MPI's own calls made by a wrapped communicator
-(_timed); the parts made on first use (the window, the hierarchy)."""
+(``by_mpi``); the parts made on first use (the window, the hierarchy)."""
 import math
 import time
 
@@ -17,10 +17,27 @@ from equarx_mpi.collectives.registry import SCHEDULES
 from equarx_mpi.names import between_nodes
 
 
-class Running:
-    """QuantizedComm's half that runs calls (comm.py prepares them)."""
+class Runner:
+    """A QuantizedComm's part that runs calls (comm.py prepares them) on
+    ``comm``, the library's counting communicator, with ``engine``;
+    ``record(c, info, rec)`` keeps each call's record, ``queue`` orders
+    the records of MPI's own calls after the queued ones."""
 
-    def _execute(self, c):
+    def __init__(self, comm, engine, options, threads, compile_first, record, queue):
+        self._comm, self.engine, self.options = comm, engine, options
+        self.wire, self.block_size, self.threads = options["wire"], options["block_size"], threads
+        self._compile_first, self._record, self._queue = compile_first, record, queue
+        self._size = comm.Get_size()
+        self._shared = self._hier = self._between = None    # made on first use (collective)
+
+    def free(self):
+        """Collective: release the parts made so far."""
+        for part in (self._shared, self._between, self._hier):
+            if part is not None:
+                part.free()
+        self.engine.free()
+
+    def execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
         fb = c.feedback
         if fb is None:
@@ -35,7 +52,7 @@ class Running:
         return info
 
     def _run(self, c, e_own=0.0):
-        """_execute without the feedback's part: the method's runner (_RUN);
+        """execute without the feedback's part: the method's runner (_RUN);
         ``e_own`` bounds how far this rank's values are from the caller's."""
         t0 = time.perf_counter()
         comms = (self._comm,) + ((self._hierarchy()[0].inter,)
@@ -46,9 +63,9 @@ class Running:
         fixed, err, rec = _RUN[c.method](self, c, e_own)
         sent = sum(m.sent for m in comms) - sent0 if c.quantize else \
             uncompressed_bytes(c.what, c.nbytes, self._size)
-        return self._record(c, self._info(c, fixed, sent, time.perf_counter() - t0, err), rec)
+        return self._record(c, self.info(c, fixed, sent, time.perf_counter() - t0, err), rec)
 
-    def _info(self, c, fixed, sent, seconds, err):
+    def info(self, c, fixed, sent, seconds, err):
         return CallInfo(c.what, c.method, self.wire if c.quantize else None, c.reason, fixed,
                         sent, seconds, math.inf if err is None else err)
 
@@ -74,14 +91,14 @@ class Running:
 
     def _shm(self, c, e_own):
         err = self._exact_bound(c, e_own)
-        most = self._window().allreduce(c.send, c.recv, c.op)
+        most = self.window().allreduce(c.send, c.recv, c.op)
         if c.bound_from == bound_from.WINDOW:
             err = mpi_bound.error_bound(c.what, c.name, c.recv.dtype, self._size, most)
         return 0, err, None
 
     def _schedule(self, c, e_own):
         """A schedule the engine runs, with the call's budget."""
-        e = self._engine
+        e = self.engine
         e.budget = c.budget
         if c.what == "Allgather":
             got = e.allgather(c.send, c.recv)
@@ -92,7 +109,7 @@ class Running:
         return got + (e.record,)
 
     def _hierarchical(self, c, e_own):
-        self._engine.budget = c.budget
+        self.engine.budget = c.budget
         hier, between = self._hierarchy()
         B = self.block_size
 
@@ -107,24 +124,24 @@ class Running:
                                             for lo, hi, b in slices if hi > lo])
         return fixed, err, rec
 
-    def _timed(self, c, fn):
+    def by_mpi(self, c, fn):
         """fn(): MPI's own call for c, made by a wrapped communicator with
         the caller's arguments (or a nonblocking one started); recorded like
         any call, after the calls queued before it, so that last_call is the
         last call made once they finish."""
         t0 = time.perf_counter()
         result = fn()
-        info = self._info(c, 0, uncompressed_bytes(c.what, c.nbytes, self._size),
-                          time.perf_counter() - t0, c.bound)._replace(method="mpi")
-        self._exec.note(lambda i: self._record(c, i), info)
+        info = self.info(c, 0, uncompressed_bytes(c.what, c.nbytes, self._size),
+                         time.perf_counter() - t0, c.bound)._replace(method="mpi")
+        self._queue.note(lambda i: self._record(c, i), info)
         return result
 
-    def _window(self):
+    def window(self):
         """The shared window of the exact one-node method (made on first use)."""
-        if self._shm is None:
+        if self._shared is None:
             from equarx_mpi.collectives.shm import ShmAllreduce
-            self._shm = ShmAllreduce(self._comm)
-        return self._shm
+            self._shared = ShmAllreduce(self._comm)
+        return self._shared
 
     def _hierarchy(self):
         """The node-aware schedule and the engine between nodes (made on
@@ -138,6 +155,6 @@ class Running:
 
 
 #: method -> its runner: the engine for every schedule it runs
-_RUN = {"copy": Running._copy, "mpi": Running._mpi, "shm": Running._shm,
-        "hierarchical": Running._hierarchical,
-        **{name: Running._schedule for name, s in SCHEDULES.items() if s.run is not None}}
+_RUN = {"copy": Runner._copy, "mpi": Runner._mpi, "shm": Runner._shm,
+        "hierarchical": Runner._hierarchical,
+        **{name: Runner._schedule for name, s in SCHEDULES.items() if s.run is not None}}

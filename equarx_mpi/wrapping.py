@@ -48,7 +48,6 @@ of QuantizedComm, and EQUARX_MPI_<OPTION> / EQUARX_MPI_DISABLE apply.
 """
 import contextlib
 import functools
-from time import perf_counter
 from typing import TYPE_CHECKING, Any, ContextManager, Optional
 
 import numpy as np
@@ -56,9 +55,8 @@ from mpi4py import MPI
 from numpy.typing import DTypeLike
 
 from equarx_mpi.call.buffers import OPAQUE
-from equarx_mpi.call.nonblocking import FREED, PersistentRequest
-from equarx_mpi.call.plans import signature
-from equarx_mpi.call.validate import QUANTIZED_DTYPES, op_name
+from equarx_mpi.call.nonblocking import FREED
+from equarx_mpi.call.validate import QUANTIZED_DTYPES
 from equarx_mpi.collectives import exact
 from equarx_mpi.comm import CallInfo, QuantizedComm, Stats
 
@@ -196,9 +194,9 @@ class _RecordedPrequest(MPI.Prequest):
     def Start(self):
         # as the library's own request does; and Open MPI crashes on a
         # persistent collective started after its communicator's Free()
-        if self._eq_qc._exec.closed:
+        if self._eq_qc._closed:
             raise ValueError(FREED)
-        self._eq_qc._timed(self._eq_call, super().Start)
+        self._eq_qc._by_mpi(self._eq_call, super().Start)
 
     def Free(self):
         # as mpi4py's own request, a freed one holds no buffer
@@ -249,7 +247,7 @@ class _Wrapped:
         (collective: only ever from a collective call)."""
         if self._eq_qc is None:
             self._eq_qc = QuantizedComm(_mpi_class(type(self))(self), **self._eq_opts)
-            self._eq_qc._exact = self._eq_exact      # made inside exact(): still exact
+            self._eq_qc._set_exact(self._eq_exact)      # made inside exact(): still exact
         return self._eq_qc
 
     @property
@@ -273,9 +271,9 @@ class _Wrapped:
         qc = self._equarx()
         c = qc._prepare(what, sendbuf, recvbuf, op, opaque_ok=True)
         if _runs_here(c):
-            qc._exec.run(qc._execute, c)
+            qc._run_here(c)
             return None
-        qc._timed(c, lambda: mpi_call(_send_arg(c, sendbuf)))
+        qc._by_mpi(c, lambda: mpi_call(_send_arg(c, sendbuf)))
         return c
 
     @contextlib.contextmanager
@@ -287,12 +285,12 @@ class _Wrapped:
         self._eq_exact += 1
         try:
             if self._eq_qc is not None:
-                self._eq_qc._exact = self._eq_exact
+                self._eq_qc._set_exact(self._eq_exact)
             yield self
         finally:
             self._eq_exact -= 1
             if self._eq_qc is not None:
-                self._eq_qc._exact = self._eq_exact
+                self._eq_qc._set_exact(self._eq_exact)
 
     def crossover(self, dtype=np.float32, what="Allreduce", op=MPI.SUM, upto=1 << 31):
         """The smallest message (bytes per rank, on QuantizedComm.crossover's
@@ -300,26 +298,19 @@ class _Wrapped:
         quantized, or None.  Local, but collective the first time on a
         communicator made from a wrapped one (Dup, Split, ...) before its
         first reduction: that makes the library's part."""
-        return self._equarx()._choose.crossover(what, op_name(op), np.dtype(dtype), upto,
-                                                wrapped=True)
+        return self._equarx()._crossover_wrapped(dtype, what, op, upto)
 
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         qc = self._eq_qc or self._equarx()
-        p = qc._ledger.plan(sendbuf, recvbuf, op, qc._exact)
-        if p is None:       # the first call of its kind (call/plans.py)
-            c = self._blocking("Allreduce", sendbuf, recvbuf, op,
-                               lambda s: super(_Wrapped, self).Allreduce(s, recvbuf, op))
-            if c is not None:
-                qc._keep(signature(sendbuf, recvbuf, op, qc._exact), c, by_mpi=True)
+        if qc._repeat(sendbuf, recvbuf, op, self._mpi_allreduce):
             return
-        if not qc._exec.idle:
-            qc._exec.drain()
-        t0 = perf_counter()
-        _ALLREDUCE(self, _IN_PLACE if p.in_place else sendbuf, recvbuf, op)
-        p.last = t = perf_counter() - t0
-        p.calls += 1
-        p.seconds += t
-        qc._ledger._last = p
+        c = self._blocking("Allreduce", sendbuf, recvbuf, op,   # the first of its kind
+                           lambda s: super(_Wrapped, self).Allreduce(s, recvbuf, op))
+        if c is not None:
+            qc._keep(sendbuf, recvbuf, op, c, by_mpi=True)
+
+    def _mpi_allreduce(self, sendbuf, recvbuf, op):
+        _ALLREDUCE(self, sendbuf, recvbuf, op)
 
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
         self._blocking("Reduce_scatter_block", sendbuf, recvbuf, op,
@@ -335,15 +326,15 @@ class _Wrapped:
         qc = self._equarx()
         c = qc._prepare("Allreduce", sendbuf, recvbuf, op, opaque_ok=True)
         if _runs_here(c):
-            return qc._exec.submit(qc._execute, c)
-        return qc._timed(c, lambda: super(_Wrapped, self).Iallreduce(
+            return qc._queued(c)
+        return qc._by_mpi(c, lambda: super(_Wrapped, self).Iallreduce(
             _send_arg(c, sendbuf), recvbuf, op))
 
     def Allreduce_init(self, sendbuf, recvbuf, op=MPI.SUM, info=MPI.INFO_NULL):
         qc = self._equarx()
         c = qc._prepare("Allreduce", sendbuf, recvbuf, op, opaque_ok=True, persistent=True)
         if _runs_here(c):
-            return PersistentRequest(qc._exec, qc._execute, c)
+            return qc._persistent(c)
         req = _RecordedPrequest(super().Allreduce_init(_send_arg(c, sendbuf), recvbuf, op, info))
         req._eq_qc, req._eq_call = qc, c
         return req

@@ -38,7 +38,7 @@ def test_allreduce_above_2_gib_per_rank():
         x[lo:lo + CHUNK] = pattern(np.arange(lo, min(n, lo + CHUNK), dtype=np.int64))
     with QuantizedComm(comm) as qc:
         qc.Allreduce(MPI.IN_PLACE, x)
-        assert qc._engine._ws.nbytes < 2 ** 31 * 0.6
+        assert qc._runner.engine._ws.nbytes < 2 ** 31 * 0.6
     expect_bad = 0
     for lo in range(0, n, CHUNK):                      # check without a second full copy
         want = pattern(np.arange(lo, min(n, lo + CHUNK), dtype=np.int64))

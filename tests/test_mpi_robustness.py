@@ -284,7 +284,7 @@ def test_workspace_bound_and_flat_rss(qc):
     out = np.empty_like(x)
     for _ in range(50):
         qc.Allreduce(x, out)
-    everywhere(qc._engine._ws.nbytes <= 0.6 * x.nbytes, f"workspace {qc._engine._ws.nbytes} <= 0.6 x message")
+    everywhere(qc._runner.engine._ws.nbytes <= 0.6 * x.nbytes, f"workspace {qc._runner.engine._ws.nbytes} <= 0.6 x message")
     before = _rss_mib()
     for _ in range(2000):
         qc.Allreduce(x[:1 << 16], out[:1 << 16])

@@ -33,9 +33,8 @@ from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
 from equarx_mpi.wire.formats import DIRECTED_WIRES
 
 #: auto takes the exact shared window from this size only: below it the
-#: window's two synchronizations cost more than MPI's own small-message
-#: algorithms (measured at 64 KiB, 2 and 8 ranks on 2 cores: 0.34x and
-#: 0.49x MPI's speed; from 1 MiB 1.15-2.48x; issue 20), whatever the model
+#: window's two synchronizations cost more than MPI's small-message
+#: algorithms, whatever the model (docs/PERFORMANCE.md, issue 20)
 WINDOW_FROM = 1 << 20
 #: among quantized methods, one this much slower than the fastest but more
 #: accurate wins (at 1024 ranks the int8 ring's error is 16x two-shot's)

@@ -88,6 +88,13 @@ class Ledger:
             self._recent = (key, p)
         return p
 
+    def ran(self, p, seconds):
+        """Plan p ran once, in ``seconds``: its tally, and the last call."""
+        p.last = seconds
+        p.calls += 1
+        p.seconds += seconds
+        self._last = p
+
     def keep(self, key, plan):
         if self.log == "all":           # each call logged: no call skips the record
             return
@@ -166,7 +173,7 @@ class Ledger:
 
 
 class Call:
-    """One checked and agreed call, ready to run (``_prepare``).
+    """One checked and agreed call, ready to run (setup.py).
     ``bound_from``: where its error bound comes from (call/bound_from.py);
     ``bound``: the bound when known at preparation, else None;
     ``feedback``: an ErrorFeedback or None; ``budget``: the error-bounded

@@ -31,7 +31,7 @@ from typing import Any, Iterator, Optional
 
 from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.torch import rendezvous
-from equarx_mpi.torch.group import EXACT, ProcessGroupEquarx
+from equarx_mpi.torch.group import EXACT_DEPTH, ProcessGroupEquarx
 from equarx_mpi.torch.hook import HookState, allreduce_hook
 
 __all__ = ["BACKEND", "Options", "options", "exact", "qcomm", "HookState", "allreduce_hook",
@@ -94,14 +94,14 @@ def exact(group: Optional[dist.ProcessGroup] = None) -> Iterator[None]:
     HookState).  Local: every rank enters it around the same calls."""
     pg = None if group is None else _group(group)
     if pg is None:
-        EXACT[0] += 1
+        EXACT_DEPTH[0] += 1
     else:
         pg.exact_depth += 1
     try:
         yield
     finally:
         if pg is None:
-            EXACT[0] -= 1
+            EXACT_DEPTH[0] -= 1
         else:
             pg.exact_depth -= 1
 

@@ -29,7 +29,7 @@ class GroupComm(QuantizedComm):
 
     def __init__(self, comm, **options):
         super().__init__(comm, **options)
-        self._agree_all = bool(self.check)
+        self._setup.agree_all = bool(self.check)
         self._through = threading.local()
 
     @contextlib.contextmanager

@@ -40,7 +40,7 @@ from equarx_mpi.torch.tensors import (
 from equarx_mpi.torch.work import KEPT, Executor, P2PWork, Work, free_soon
 
 #: depth of ``equarx_mpi.torch.exact()`` blocks (every group and hook)
-EXACT = [0]
+EXACT_DEPTH = [0]
 #: the exception of a mismatch in these fields, as gloo's (else ValueError)
 _KINDS = {"dtype": TypeError}
 
@@ -105,7 +105,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
     def _exact_now(self):
         """Whether a call made now must be exact (decided when it is made:
         a queued call runs after the caller may have left ``exact()``)."""
-        return EXACT[0] > 0 or self.exact_depth > 0
+        return EXACT_DEPTH[0] > 0 or self.exact_depth > 0
 
     def _call(self, opts, what, meta, err, fn, result, counts=None, qc=None):
         """Agree on the call (``meta``: (name, value) pairs, the local error ``err``; ``counts``:

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from equarx_mpi.comm import QuantizedComm
 from equarx_mpi.feedback import ErrorFeedback
-from equarx_mpi.torch.group import EXACT
+from equarx_mpi.torch.group import EXACT_DEPTH
 from equarx_mpi.torch.tensors import array
 from equarx_mpi.torch.work import Executor
 
@@ -180,7 +180,7 @@ def allreduce_hook(state: HookState,
                         f"{t.device}")
     qc, size = state.qc, state._size
     fb = state._feedback(bucket, t) if state.feedback else None
-    exact = EXACT[0] > 0
+    exact = EXACT_DEPTH[0] > 0
 
     def run():
         with qc.exact() if exact else contextlib.nullcontext():

@@ -22,12 +22,9 @@ from equarx_mpi.wire.base import Format, acc_dtype, pad8
 T = bound.TRAILER
 #: whether blocks may go DELTA (prediction), read when the engine makes a
 #: format: None (the default) across nodes only, True always, False never.
-#: Prediction spends kernel time (about 5x an int8 block's) to save wire
-#: bytes; on one node the "wire" is shared memory and it did not pay: 4
-#: ranks on 2 cores, 4 MiB per rank, the smooth field at abs_tol 0.4 took
-#: 39 ms with it against 18 without, for 0.32 bytes per value against
-#: 1.02 (docs/results/tolerance-kinds-shm.txt).  Tests of the kernels
-#: under mpirun set True; ablations (bench tolerance --ablate) both.
+#: Prediction spends kernel time to save wire bytes, which on one node
+#: did not pay (docs/results/tolerance-kinds-shm.txt).  Tests of the
+#: kernels under mpirun set True; ablations (bench tolerance --ablate) both.
 PREDICT = None
 
 
