@@ -59,8 +59,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._options = dict(options)
         # agreements, then the exact collectives: always in the thread that
         # runs the group's calls in order (never two at once)
-        self._ctl = comm.Dup()
-        self._data = comm.Dup()
+        self._ctl, self._data = comm.Dup(), comm.Dup()
         self._p2p = comm.Dup()          # send/recv, never queued
         self._qc = GroupComm(comm, **self._options)   # (its excepthook aborts the job)
         self._exec = Executor()
@@ -122,7 +121,10 @@ class ProcessGroupEquarx(dist.ProcessGroup):
 
         def agreed_then_run():
             self._usable()
-            deadline = self._deadline()
+            # a deadline even without a limit: the agreement is then
+            # nonblocking, as it must be in the queue's thread (call/agree.py)
+            deadline = math.inf if self._timeout is None else \
+                time.monotonic() + self._timeout.total_seconds()
 
             def through(more, e=None, most=None):
                 return agree(self._ctl, what, meta + more, err or e, most, deadline, _KINDS)
@@ -134,20 +136,13 @@ class ProcessGroupEquarx(dist.ProcessGroup):
                 if counts is not None:
                     pairwise(self._ctl, what, *counts, deadline)
             except TimeoutError:
-                self._broken = (
-                    f"equarx: {what} on process group {self._name!r}: Timed out after "
-                    f"{self._timeout} waiting for the other ranks of the group to make the same "
-                    f"call; MPI cannot cancel a collective, so the group cannot be used any "
-                    f"more: destroy it, or end the job")
+                self._broken = (f"equarx: {what} on process group {self._name!r}: Timed out "
+                                f"after {self._timeout} waiting for the other ranks of the group "
+                                f"to make the same call; MPI cannot cancel a collective, so the "
+                                f"group cannot be used any more: destroy it, or end the job")
                 raise dist.DistBackendError(self._broken) from None
             fn()
         return self._go(opts, agreed_then_run, result)
-
-    def _deadline(self):
-        # a deadline even without a limit: the agreement is then nonblocking,
-        # as it must be in the queue's thread (call/agree.py)
-        return math.inf if self._timeout is None else \
-            time.monotonic() + self._timeout.total_seconds()
 
     def _go(self, opts, fn, result):
         """Run fn now, or queue it if the caller waits later; a Work.  A
