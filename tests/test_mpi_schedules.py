@@ -305,6 +305,8 @@ def test_random_cases_against_exact_answers(schedule, seed, cases, draws_allgath
     or not, and adversarial data (tests/test_mpi_property.py's generator)."""
     qcs = {b: qcomm(WORLD, schedule, block=b, lossy_ops=("sum", "max", "min"))
            for b in (32, 64, 256, 1024)}
+
+    def sim(xs, block, op, **kw):
+        return simulate(schedule, xs, block, op=op, **kw)
     run_cases(qcs, seed + WORLD.Get_size(), cases,
-              lambda *a: check_schedule_case(*a, lambda *s, **k: simulate(schedule, *s, **k),
-                                             allgather=draws_allgather))
+              lambda *a: check_schedule_case(*a, sim, allgather=draws_allgather))
