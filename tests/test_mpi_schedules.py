@@ -197,6 +197,25 @@ def test_max_min_quantized_when_asked_never_cross(schedule, comm_kind, wire, blo
                    comm=comm)
 
 
+def nonfinite_inputs(P, n, dtype, op):
+    """Inputs with Inf, NaN (sign and payload), overflowing sums and, for
+    MAX/MIN, an infinity a quantized reduction could drop (-Inf under MAX
+    held by the owner of its shard, as two-shot cuts them)."""
+    xs = inputs(P, n, np.float64, seed=5)
+    edges = shard_edges(n, P, 256)
+    big = float(np.finfo(np.float32).max)
+    nan = np.array([0xFFC01234], np.uint32).view(np.float32)[0]
+    for r, x in enumerate(xs):
+        x[[3, 600 + r]] = [np.inf, big]          # every rank: Inf at 3, max in 600+r's block
+        x[1000] = big if op == "sum" else x[1000]
+        x[edges[r]] = -np.inf if op == "max" else np.inf     # in the owner's own shard
+    xs[-1][1500] = nan
+    xs[0][3] = -np.inf                            # Inf + -Inf = NaN
+    with np.errstate(over="ignore"):
+        return [x.astype(dtype) if dtype != BF16 else x.astype(np.float32).astype(BF16)
+                for x in xs]
+
+
 @pytest.mark.parametrize("op", ["sum", "max", "min"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=case_id)
 @pytest.mark.parametrize("schedule", ["two_shot", "rabenseifner"])
@@ -221,25 +240,6 @@ def test_nonfinite_blocks_equal_mpi(schedule, dtype, op):
     everywhere(exact_values == (flagged.sum() if P > 1 else 0),
                "last_call counts the values reduced exactly")
     same_on_all_ranks(out)
-
-
-def nonfinite_inputs(P, n, dtype, op):
-    """Inputs with Inf, NaN (sign and payload), overflowing sums and, for
-    MAX/MIN, an infinity a quantized reduction could drop (-Inf under MAX
-    held by the owner of its shard, as two-shot cuts them)."""
-    xs = inputs(P, n, np.float64, seed=5)
-    edges = shard_edges(n, P, 256)
-    big = float(np.finfo(np.float32).max)
-    nan = np.array([0xFFC01234], np.uint32).view(np.float32)[0]
-    for r, x in enumerate(xs):
-        x[[3, 600 + r]] = [np.inf, big]          # every rank: Inf at 3, max in 600+r's block
-        x[1000] = big if op == "sum" else x[1000]
-        x[edges[r]] = -np.inf if op == "max" else np.inf     # in the owner's own shard
-    xs[-1][1500] = nan
-    xs[0][3] = -np.inf                            # Inf + -Inf = NaN
-    with np.errstate(over="ignore"):
-        return [x.astype(dtype) if dtype != BF16 else x.astype(np.float32).astype(BF16)
-                for x in xs]
 
 
 RAB_RS_CASES = [("int8", d) for d in DTYPES] + \
