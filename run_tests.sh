@@ -125,8 +125,8 @@ for n in $RANKS; do
     esac
 done
 # Rabenseifner on 5 ranks: the fold onto 4 and two halving steps
-run_mpi 5 "rabenseifner at 5 ranks (folded onto 4)" -m "mpi and not large" \
-    tests/test_mpi_rabenseifner.py
+run_mpi 5 "rabenseifner at 5 ranks (folded onto 4)" -m "mpi and not large" -k rabenseifner \
+    tests/test_mpi_rabenseifner.py tests/test_mpi_schedules.py
 
 # --- node-aware schedules on faked node layouts (A nodes of B ranks) -----------------
 for layout in ${LAYOUTS:-2x2 2x3 4x2}; do

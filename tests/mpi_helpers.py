@@ -1,7 +1,11 @@
 """Assertions for tests under mpirun: a check that fails on one rank must
-fail on every rank (else the others wait in the next collective)."""
+fail on every rank (else the others wait in the next collective).  And
+what the AllReduce suites share: every rank's inputs built on every rank
+from one seed, the exact float64 sum, the communicators a case runs on."""
 import os
+from contextlib import contextmanager
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -12,6 +16,49 @@ def everywhere(ok, what, comm=WORLD):
     """Assert ok on every rank, reporting which ranks failed."""
     bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
     assert not bad, f"{what} failed on ranks {bad}"
+
+
+def same_on_all_ranks(arr, comm=WORLD):
+    ref = comm.bcast(arr.tobytes() if comm.Get_rank() == 0 else None)
+    everywhere(arr.tobytes() == ref, "bitwise identical on all ranks", comm=comm)
+
+
+def inputs(P, n, dtype, seed, scale=1.0, offset=0.0):
+    """P ranks' inputs, offset + scale N(0, 1), the same on every rank."""
+    rng = np.random.default_rng(seed)
+    with np.errstate(over="ignore"):
+        return [(offset + scale * rng.standard_normal(n)).astype(dtype) for _ in range(P)]
+
+
+def exact_sum(xs):
+    return np.sum([x.astype(np.float64) for x in xs], axis=0)
+
+
+def sum_slack(xs):
+    """What the float64 reference sum itself may be off by."""
+    return len(xs) * 2.0 ** -52 * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
+
+
+COMMS = ("world", "self", "dup", "split")
+
+
+@contextmanager
+def make_comm(kind):
+    """COMM_WORLD, COMM_SELF, a Dup of WORLD or a Split of it in two
+    (ranks of the same parity, in reversed order); freed after."""
+    w = WORLD
+    c = {"world": lambda: w, "self": lambda: MPI.COMM_SELF, "dup": w.Dup,
+         "split": lambda: w.Split(w.Get_rank() % 2, -w.Get_rank())}[kind]()
+    try:
+        yield c
+    finally:
+        if kind in ("dup", "split"):
+            c.Free()
+
+
+def case_id(v):
+    """A parametrized value in a test id: a dtype by its name."""
+    return np.dtype(v).name if isinstance(v, (type, np.dtype)) else None
 
 
 def raises_everywhere(exc_type, fn, match=None, comm=WORLD):
@@ -63,6 +110,17 @@ def need_torch():
         pytest.skip("torch is not installed (pip install 'equarx_mpi[torch]')",
                     allow_module_level=True)
     return torch
+
+
+def torch_suite():
+    """The start of a torch suite: (torch, torch.distributed,
+    equarx_mpi.torch, this rank, the size), the module skipped as
+    need_torch says."""
+    torch = need_torch()
+    import torch.distributed as dist
+
+    import equarx_mpi.torch as eqt
+    return torch, dist, eqt, WORLD.Get_rank(), WORLD.Get_size()
 
 
 def equarx_and_gloo():

@@ -167,6 +167,39 @@ def shard_edges(n, P, block):
 ROUNDING = {"sum": "nearest", "max": "up", "min": "down"}
 
 
+def start(inputs, op, keys):
+    """What every simulated schedule starts from: (P, the input type, the
+    accumulation type's unit roundoff, each rank's values in it, the
+    rounding: stochastic for a SUM with ``keys``, else op's, and the
+    result and bound to fill, in the accumulation type and float64)."""
+    dtype = inputs[0].dtype
+    acc = acc_dtype(dtype)
+    own = [to_acc(x) for x in inputs]
+    rounding = "stochastic" if keys is not None and op == "sum" else ROUNDING[op]
+    n = own[0].size
+    return len(inputs), dtype, unit_roundoff(acc), own, rounding, np.empty(n, acc), np.zeros(n)
+
+
+def shard_cuts(n, P, block, kind):
+    """Where the ring's and two-shot's P shards start and end: whole blocks
+    balanced (Allreduce), or n/P values each (Reduce_scatter_block)."""
+    return shard_edges(n, P, block) if kind == "allreduce" else [s * (n // P) for s in range(P + 1)]
+
+
+def shards(edges, keys):
+    """Per shard s: s, its slice, and key(r), rank r's key for its values
+    (``keys``: each rank's call_key; None without)."""
+    for s in range(len(edges) - 1):
+        lo = edges[s]
+        yield s, slice(lo, edges[s + 1]), (lambda r, lo=lo: None if keys is None else (keys[r], lo))
+
+
+def alone(inputs, with_bound):
+    """A simulated schedule on one rank: its input back, nothing lost."""
+    out, n = inputs[0].copy(), inputs[0].size
+    return (out, np.zeros(n), np.zeros(n, bool)) if with_bound else out
+
+
 class Int8Codec:
     """The int8 format as a codec for ring_allreduce; other formats'
     codecs (reference_formats.py) have the same four methods."""
@@ -207,23 +240,11 @@ def ring_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce", 
 
     With with_bound, also (bound, flagged): a rigorous per-value bound on
     |result - exact|, and which values were in flagged blocks."""
-    P = len(inputs)
-    dtype = inputs[0].dtype
-    acc = acc_dtype(dtype)
-    u = unit_roundoff(acc)
-    own = [to_acc(x) for x in inputs]
-    n = own[0].size
-    result = np.empty(n, acc)
-    bound = np.zeros(n)
-    if P == 1:
-        result = inputs[0].copy()
-        return (result, bound, np.zeros(n, bool)) if with_bound else result
-    rounding = "stochastic" if keys is not None and op == "sum" else ROUNDING[op]
-    edges = (shard_edges(n, P, block) if kind == "allreduce"
-             else [s * (n // P) for s in range(P + 1)])
-    key = (lambda r: (keys[r], edges[s])) if keys is not None else (lambda r: None)
-    for s in range(P):
-        sl = slice(edges[s], edges[s + 1])
+    if len(inputs) == 1:
+        return alone(inputs, with_bound)
+    P, dtype, u, own, rounding, result, bound = start(inputs, op, keys)
+    edges = shard_cuts(result.size, P, block, kind)
+    for s, sl, key in shards(edges, keys):
         m = edges[s + 1] - edges[s]
         # shard s starts at rank s+1 and travels right, ending at rank s
         first = (s + 1) % P
@@ -298,111 +319,7 @@ def allgather(segments, block, codec=INT8, keys=None):
     return np.concatenate(out)
 
 
-# --- two-shot (equarx_mpi/two_shot.py) ------------------------------------------
-
 def _nonfinite_blocks(x, block):
     """Per value: does its block (from x's start) hold Inf or NaN?"""
     bad = [not np.isfinite(x[i:i + block]).all() for i in range(0, x.size, block)]
     return np.repeat(bad, block)[:x.size]
-
-
-def _block_codec(wire):
-    """reference_formats' codec of a block wire other than int8 (None for
-    int8 and the uncompressed wires)."""
-    from reference_formats import CODECS  # it imports this module
-    return CODECS.get(wire)
-
-
-def _wire_dtype(wire, dtype):
-    if wire == "fp32":
-        return np.dtype(np.float32)
-    return np.dtype(np.float16) if np.dtype(dtype) == np.float16 else BF16
-
-
-def _send(x, block, rounding, wire, dtype, key=None):
-    """(what the receiver decodes, the bound on its error) for values x
-    (accumulation type) sent once on ``wire``."""
-    if wire == "int8":
-        h, c = quantize(x, block, rounding, key)
-        return dequantize(h, c, block), step_bound(h, block, x.size, rounding)
-    codec = _block_codec(wire)
-    if codec is not None:
-        w = codec.quantize(x, block, rounding, key)
-        return codec.dequantize(w, block), codec.bound(x, w, block, rounding)
-    wd = _wire_dtype(wire, dtype)
-    with np.errstate(over="ignore"):
-        # the kernels store 16-bit wires through float32, as here
-        w = (x.astype(np.float32) if wd.itemsize == 2 else x).astype(wd)
-    back = w.astype(x.dtype)
-    # twice the unit roundoff and the absolute floor: a float64 value may
-    # round twice (via float32)
-    tiny = 2.0 ** -150 if wd == np.float32 else _half_tiny(wd)
-    return back, 2 * (unit_roundoff(wd) * np.abs(back.astype(np.float64)) + tiny)
-
-
-def two_shot_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce",
-                       wire="int8", keys=None):
-    """What every rank of the two-shot schedule returns, for a list of
-    per-rank arrays.  Owner s of shard s (shards as the ring's) reduces in
-    rank order 0..P-1 the other ranks' values of shard s, each sent once on
-    ``wire`` (quantized by its sender), and its own raw values, then sends
-    the result once more; flagged blocks (Inf/NaN in any input or in the
-    result) are NaN here.  kind "reduce_scatter": P shards of n/P values,
-    and the owner's reduction is the result (not sent again).
-
-    With with_bound, also (bound, flagged) like ring_allreduce: per value,
-    the senders' quantization bounds, the rounding of every float addition
-    (u |partial sum|), the owner's quantization bound and the final cast.
-    ``keys``: each rank's call_key, for a SUM rounded stochastically."""
-    P = len(inputs)
-    dtype = inputs[0].dtype
-    acc = acc_dtype(dtype)
-    u = unit_roundoff(acc)
-    own = [to_acc(x) for x in inputs]
-    n = own[0].size
-    result = np.empty(n, acc)
-    bound = np.zeros(n)
-    if P == 1:
-        result = inputs[0].copy()
-        return (result, bound, np.zeros(n, bool)) if with_bound else result
-    rounding = "stochastic" if keys is not None and op == "sum" else ROUNDING[op]
-    edges = (shard_edges(n, P, block) if kind == "allreduce"
-             else [s * (n // P) for s in range(P + 1)])
-    key = (lambda r: (keys[r], edges[s])) if keys is not None else (lambda r: None)
-    for s in range(P):
-        sl = slice(edges[s], edges[s + 1])
-        if edges[s + 1] == edges[s]:
-            continue
-        part, bad = None, np.zeros(edges[s + 1] - edges[s], bool)
-        for q in range(P):
-            x = own[q][sl]
-            bad |= _nonfinite_blocks(x, block)
-            val = x
-            if q != s:
-                val, b = _send(x, block, rounding, wire, dtype, key(q))
-                bound[sl] += b
-            if part is None:
-                part = val.copy()
-                continue
-            with np.errstate(invalid="ignore", over="ignore"):
-                part = reduce(op, part, val)
-            if op == "sum":
-                bound[sl] += u * np.abs(part.astype(np.float64))
-        part = np.where(bad, np.nan, part).astype(acc)
-        if kind == "reduce_scatter":
-            result[sl] = np.where(_over_limit(part, block, dtype), np.nan, part)
-            continue
-        dec, b = _send(part, block, rounding, wire, dtype, key(s))
-        bound[sl] += b
-        if wire == "int8":
-            heads = np.repeat(quantize(part, block, rounding, key(s))[0], block)[:part.size]
-            gone = _over_limit(heads, 1, dtype)
-        elif _block_codec(wire) is not None:
-            codec = _block_codec(wire)
-            mags = codec.magnitude(codec.quantize(part, block, rounding, key(s)), block,
-                                   part.size)
-            gone = _over_limit(mags, 1, dtype)
-        else:
-            gone = _nonfinite_blocks(dec, block)
-        result[sl] = np.where(gone, np.nan, dec)
-    return finished(result, bound, inputs, with_bound)

@@ -76,6 +76,16 @@ def _scaled(vp, a, levels):
     return (vp * lift[:, None]) * r[:, None]
 
 
+def _symmetric(v, block, levels):
+    """A symmetric format's start: v's blocks, their largest magnitudes
+    (+Inf where a block holds Inf or NaN), which blocks are finite, and the
+    values scaled to +-levels."""
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        vp = _blocks(v, block)
+        a, finite = _abs_max(vp)
+        return vp, a, finite, _scaled(vp, a, levels)
+
+
 class Int4:
     """Symmetric int4: header a = max |x|; code c = rint(x * fl(7 / a)) in
     [-7, 7], two per byte; decoded (c * fl(1/7)) * a."""
@@ -86,10 +96,8 @@ class Int4:
         v = np.asarray(v)
         acc = v.dtype.type
         n = v.size
+        vp, a, finite, q = _symmetric(v, block, self.L)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            vp = _blocks(v, block)
-            a, finite = _abs_max(vp)
-            q = _scaled(vp, a, self.L)
             k = acc(1) / acc(self.L)
             A = a[:, None]
             if rounding == "nearest":
@@ -160,11 +168,9 @@ class Fp8:
         v = np.asarray(v)
         acc = v.dtype.type
         n = v.size
+        vp, a, finite, y = _symmetric(v, block, E4M3_MAX)
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            vp = _blocks(v, block)
-            a, finite = _abs_max(vp)
             A = a[:, None]
-            y = _scaled(vp, a, E4M3_MAX)
             ok = finite[:, None] & (A > 0)
             c = e4m3_round(np.where(ok, y, 0))
             if rounding != "nearest":

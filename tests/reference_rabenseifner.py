@@ -1,7 +1,7 @@
 """Plain numpy simulation of algorithm="rabenseifner"
 (equarx_mpi/collectives/rabenseifner.py), written from its description and
 the wire formats' references (reference.py, reference_formats.py), used bit
-for bit by tests/test_mpi_rabenseifner.py.
+for bit by tests/test_mpi_schedules.py.
 
 Per shard, value by value: P' = the largest power of two <= P ranks take
 part (rank i of them is rank 2i+1 for i < rem = P - P', else i + rem);
@@ -14,19 +14,8 @@ to its partner, which adds it to its own partial sum at full precision
 folded rank 2i's shard is quantized once more by 2i+1, which sends it).
 Blocks that hold Inf or NaN at any point end flagged (NaN here)."""
 import numpy as np
-from reference import (
-    ROUNDING,
-    _block_codec,
-    _nonfinite_blocks,
-    _over_limit,
-    _send,
-    acc_dtype,
-    finished,
-    quantize,
-    reduce,
-    to_acc,
-    unit_roundoff,
-)
+from reference import _nonfinite_blocks, _over_limit, alone, finished, reduce, start
+from reference_two_shot import _send, gone
 
 
 def owners(n, P, block, kind):
@@ -53,18 +42,6 @@ def _add(op, mine, dec, block):
     return np.where(bad, np.nan, part).astype(mine.dtype)
 
 
-def _gone(part, dec, block, rounding, wire, dtype, key):
-    """Which values the final decode into dtype skips (as two-shot's)."""
-    if wire == "int8":
-        heads = np.repeat(quantize(part, block, rounding, key)[0], block)[:part.size]
-        return _over_limit(heads, 1, dtype)
-    codec = _block_codec(wire)
-    if codec is not None:
-        mags = codec.magnitude(codec.quantize(part, block, rounding, key), block, part.size)
-        return _over_limit(mags, 1, dtype)
-    return _nonfinite_blocks(dec, block)
-
-
 def rabenseifner_allreduce(inputs, block, op="sum", with_bound=False, kind="allreduce",
                            wire="int8", keys=None):
     """What the schedule returns (kind "reduce_scatter": the full-length
@@ -73,19 +50,10 @@ def rabenseifner_allreduce(inputs, block, op="sum", with_bound=False, kind="allr
     u |partial sum| per addition (SUM), the owner's quantization and the
     final cast.  ``keys``: each rank's call_key, for a SUM rounded
     stochastically."""
-    P = len(inputs)
-    dtype = inputs[0].dtype
-    acc = acc_dtype(dtype)
-    u = unit_roundoff(acc)
-    own = [to_acc(x) for x in inputs]
-    n = own[0].size
-    if P == 1:
-        out = inputs[0].copy()
-        return (out, np.zeros(n), np.zeros(n, bool)) if with_bound else out
-    result = np.empty(n, acc)
-    bound = np.zeros(n)
-    rounding = "stochastic" if keys is not None and op == "sum" else ROUNDING[op]
-    segs, real = owners(n, P, block, kind)
+    if len(inputs) == 1:
+        return alone(inputs, with_bound)
+    P, dtype, u, own, rounding, result, bound = start(inputs, op, keys)
+    segs, real = owners(result.size, P, block, kind)
     P2 = len(real)
     rem, L = P - P2, P2.bit_length() - 1
     for t, mine in enumerate(segs):
@@ -121,6 +89,6 @@ def rabenseifner_allreduce(inputs, block, op="sum", with_bound=False, kind="allr
                 continue
             key = None if keys is None else (keys[real[t]], lo)
             dec, q = _send(v, block, rounding, wire, dtype, key)
-            result[sl] = np.where(_gone(v, dec, block, rounding, wire, dtype, key), np.nan, dec)
+            result[sl] = np.where(gone(v, dec, block, rounding, wire, dtype, key), np.nan, dec)
             bound[sl] = b + q
     return finished(result, bound, inputs, with_bound)

@@ -1,4 +1,7 @@
-"""QuantizedComm collectives under MPI, at any number of ranks.
+"""The ring (the default algorithm) and the library's calls around it
+under MPI, at any number of ranks: what the ring alone does.
+test_mpi_schedules.py checks it, as every schedule, against its numpy
+simulation (reference.ring_allreduce) bit for bit, within the bounds.
 
     mpirun -n 4 python -m pytest --with-mpi tests/test_mpi_allreduce.py
 
@@ -10,6 +13,7 @@ one rank fails the test everywhere instead of leaving the others waiting.
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_helpers import COMMS, everywhere, exact_sum, inputs, make_comm, same_on_all_ranks
 from reference import BF16, ring_allreduce
 
 import equarx_mpi
@@ -17,7 +21,6 @@ from equarx_mpi import QuantizedComm
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
-DTYPES = [np.float32, np.float64, np.float16, BF16]
 EPS = {np.dtype(np.float32): 2.0 ** -24, np.dtype(np.float64): 2.0 ** -53,
        np.dtype(np.float16): 2.0 ** -11, BF16: 2.0 ** -8}
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
@@ -26,57 +29,10 @@ OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
 REL_L2_LIMIT = {1: 0.0, 2: 0.0095, 3: 0.011, 4: 0.012, 5: 0.013, 6: 0.014, 7: 0.015, 8: 0.016}
 
 
-def everywhere(comm, ok, what):
-    """Assert ok on every rank, reporting which ranks failed."""
-    bad = [r for r, v in enumerate(comm.allgather(bool(ok))) if not v]
-    assert not bad, f"{what} failed on ranks {bad}"
-
-
-def inputs(P, n, dtype, seed, scale=1.0):
-    rng = np.random.default_rng(seed)
-    return [(rng.standard_normal(n) * scale).astype(dtype) for _ in range(P)]
-
-
-def exact_sum(xs):
-    return np.sum([x.astype(np.float64) for x in xs], axis=0)
-
-
-def sum_slack(xs):
-    """What the float64 reference sum itself may be off by."""
-    return len(xs) * 2.0 ** -52 * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
-
-
-@pytest.fixture(params=["world", "self", "dup", "split"])
+@pytest.fixture(params=COMMS)
 def comm(request):
-    w = MPI.COMM_WORLD
-    c = {"world": lambda: w, "self": lambda: MPI.COMM_SELF, "dup": w.Dup,
-         "split": lambda: w.Split(w.Get_rank() % 2, -w.Get_rank())}[request.param]()
-    yield c
-    if request.param in ("dup", "split"):
-        c.Free()
-
-
-def same_on_all_ranks(comm, arr):
-    ref = comm.bcast(arr.tobytes() if comm.Get_rank() == 0 else None)
-    everywhere(comm, arr.tobytes() == ref, "bitwise identical results")
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("n", [0, 1, 7, 255, 257, 1000, 4099, 100003])
-def test_allreduce_matches_ring_simulation_bitwise(comm, dtype, n):
-    P, r = comm.Get_size(), comm.Get_rank()
-    xs = inputs(P, n, dtype, seed=n)
-    out = np.empty_like(xs[r])
-    with QuantizedComm(comm, min_quantized_bytes=0) as qc:
-        qc.Allreduce(xs[r], out)
-    ref, bound, _ = ring_allreduce(xs, 256, with_bound=True)
-    everywhere(comm, np.array_equal(out.view(np.uint8), ref.view(np.uint8)),
-               "equal to the numpy ring simulation")
-    same_on_all_ranks(comm, out)
-    err = np.abs(out.astype(np.float64) - exact_sum(xs))
-    # half a step per quantization plus the roundings along the path
-    # (reference.ring_allreduce derives the bound value by value)
-    everywhere(comm, (err <= bound + sum_slack(xs)).all(), "error within the per-value bound")
+    with make_comm(request.param) as c:
+        yield c
 
 
 def test_relative_l2_error_int8_ring_standard_normal():
@@ -87,34 +43,8 @@ def test_relative_l2_error_int8_ring_standard_normal():
     exact = exact_sum(xs)
     rel = np.linalg.norm(out - exact) / np.linalg.norm(exact)
     limit = REL_L2_LIMIT.get(P, 0.0045 * np.log2(P) + 0.0045)
-    everywhere(comm, rel <= limit, f"relative L2 error {rel:.4%} <= {limit:.2%} at {P} ranks")
-    same_on_all_ranks(comm, out)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_in_place_equals_out_of_place(comm, dtype):
-    r = comm.Get_rank()
-    x = inputs(comm.Get_size(), 5000, dtype, seed=7)[r]
-    with QuantizedComm(comm, min_quantized_bytes=0, chunks=3) as qc:
-        out = np.empty_like(x)
-        qc.Allreduce(x, out)
-        a = x.copy()
-        qc.Allreduce(MPI.IN_PLACE, a)
-        b = x.copy()
-        qc.Allreduce(b, b)
-    everywhere(comm, a.tobytes() == out.tobytes() and b.tobytes() == out.tobytes(),
-               "in place equals out of place")
-
-
-@pytest.mark.parametrize("chunks", [1, 2, 5, 64])
-def test_chunking_does_not_change_result(chunks):
-    comm = MPI.COMM_WORLD
-    x = inputs(comm.Get_size(), 70001, np.float32, seed=3)[comm.Get_rank()]
-    with QuantizedComm(comm, min_quantized_bytes=0, chunks=chunks) as qc:
-        got = qc.allreduce(x)
-    with QuantizedComm(comm, min_quantized_bytes=0, chunks=1) as qc:
-        ref = qc.allreduce(x)
-    everywhere(comm, got.tobytes() == ref.tobytes(), f"chunks={chunks} equals chunks=1")
+    everywhere(rel <= limit, f"relative L2 error {rel:.4%} <= {limit:.2%} at {P} ranks", comm=comm)
+    same_on_all_ranks(out, comm)
 
 
 def test_max_message_bytes_splits_without_changing_result():
@@ -123,17 +53,7 @@ def test_max_message_bytes_splits_without_changing_result():
     with QuantizedComm(comm, min_quantized_bytes=0, max_message_bytes=4096) as qc:
         got = qc.allreduce(x)
     ref = ring_allreduce(inputs(comm.Get_size(), 200000, np.float32, seed=9), 256)
-    everywhere(comm, got.tobytes() == ref.tobytes(), "split messages equal the simulation")
-
-
-@pytest.mark.parametrize("block", [32, 1024, 4096])
-def test_block_sizes(block):
-    comm = MPI.COMM_WORLD
-    xs = inputs(comm.Get_size(), 30000, np.float32, seed=block)
-    with QuantizedComm(comm, block_size=block, min_quantized_bytes=0) as qc:
-        got = qc.allreduce(xs[comm.Get_rank()])
-    everywhere(comm, got.tobytes() == ring_allreduce(xs, block).tobytes(),
-               f"block {block} equals the simulation")
+    everywhere(got.tobytes() == ref.tobytes(), "split messages equal the simulation", comm=comm)
 
 
 @pytest.mark.parametrize("op", ["max", "min"])
@@ -143,26 +63,10 @@ def test_max_min_exact_by_default(comm, op, dtype):
     xs = inputs(P, 300001, dtype, seed=12)
     with QuantizedComm(comm, min_quantized_bytes=0) as qc:
         got = qc.allreduce(xs[r], OPS[op])
-        everywhere(comm, qc.last_call.method in ("mpi", "copy"), f"{op} took exact MPI")
+        everywhere(qc.last_call.method in ("mpi", "copy"), f"{op} took exact MPI", comm=comm)
     acc = np.float64 if dtype == np.float64 else np.float32
     want = getattr(np, op)(np.stack([x.astype(acc) for x in xs]), axis=0).astype(dtype)
-    everywhere(comm, got.tobytes() == want.tobytes(), f"{op} is exact by default")
-
-
-@pytest.mark.parametrize("op", ["max", "min"])
-@pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16], ids=lambda d: np.dtype(d).name)
-def test_max_min_quantized_when_asked_never_cross(comm, op, dtype):
-    P, r = comm.Get_size(), comm.Get_rank()
-    xs = inputs(P, 3001, dtype, seed=11)
-    with QuantizedComm(comm, min_quantized_bytes=0, lossy_ops=("sum", op)) as qc:
-        got = qc.allreduce(xs[r], OPS[op])
-    ref, bound, _ = ring_allreduce(xs, 256, op=op, with_bound=True)
-    everywhere(comm, got.tobytes() == ref.tobytes(), f"{op} equals the simulation")
-    exact = getattr(np, op)([x.astype(np.float64) for x in xs], axis=0)
-    g = got.astype(np.float64)
-    everywhere(comm, (np.abs(g - exact) <= bound).all(), f"{op} within its step bound")
-    everywhere(comm, (g >= exact).all() if op == "max" else (g <= exact).all(),
-               f"quantized {op} never {'below' if op == 'max' else 'above'} the true {op}")
+    everywhere(got.tobytes() == want.tobytes(), f"{op} is exact by default", comm=comm)
 
 
 def test_repeated_calls_identical():
@@ -171,7 +75,7 @@ def test_repeated_calls_identical():
     with QuantizedComm(comm, min_quantized_bytes=0) as qc:
         first = qc.allreduce(x)
         for _ in range(5):
-            everywhere(comm, qc.allreduce(x).tobytes() == first.tobytes(), "repeat identical")
+            everywhere(qc.allreduce(x).tobytes() == first.tobytes(), "repeat identical", comm=comm)
 
 
 def test_p1_and_small_messages_are_exact(comm):
@@ -181,9 +85,9 @@ def test_p1_and_small_messages_are_exact(comm):
         got = qc.allreduce(x)
     want = np.empty_like(x)
     comm.Allreduce(x, want)
-    everywhere(comm, got.tobytes() == want.tobytes(), "small message takes exact MPI")
+    everywhere(got.tobytes() == want.tobytes(), "small message takes exact MPI", comm=comm)
     with QuantizedComm(MPI.COMM_SELF, min_quantized_bytes=0) as qc:
-        everywhere(comm, qc.allreduce(x).tobytes() == x.tobytes(), "P=1 returns the input")
+        everywhere(qc.allreduce(x).tobytes() == x.tobytes(), "P=1 returns the input", comm=comm)
 
 
 @pytest.mark.parametrize("dtype,op", [(np.int32, "sum"), (np.float32, "prod"),
@@ -197,7 +101,7 @@ def test_other_ops_and_dtypes_take_exact_mpi(dtype, op):
         got = qc.allreduce(x, mop)
     want = np.empty_like(x)
     comm.Allreduce(x, want, mop)
-    everywhere(comm, got.tobytes() == want.tobytes(), "exact path equals comm.Allreduce")
+    everywhere(got.tobytes() == want.tobytes(), "exact path equals comm.Allreduce", comm=comm)
 
 
 @pytest.mark.parametrize("dtype", [BF16], ids=lambda d: np.dtype(d).name)
@@ -208,8 +112,8 @@ def test_small_half_precision_exact_path(dtype):
     got = equarx_mpi.allreduce(xs[comm.Get_rank()], comm)
     want = exact_sum([x.astype(np.float32) for x in xs])
     err = np.abs(got.astype(np.float64) - want)
-    everywhere(comm, (err <= (comm.Get_size() + 1) * EPS[np.dtype(dtype)] * np.abs(want)
-                      + 1e-6).all(), "half precision below threshold is (nearly) exact")
+    everywhere((err <= (comm.Get_size() + 1) * EPS[np.dtype(dtype)] * np.abs(want)
+                      + 1e-6).all(), "half precision below threshold is (nearly) exact", comm=comm)
 
 
 def test_reduce_scatter_block_and_allgather_compose_to_allreduce_ish(comm):
@@ -227,14 +131,14 @@ def test_reduce_scatter_block_and_allgather_compose_to_allreduce_ish(comm):
         full2 = np.zeros(P * m, np.float32)
         full2[r * m:(r + 1) * m] = mine
         qc.Allgather(MPI.IN_PLACE, full2)
-    everywhere(comm, inplace[:m].tobytes() == mine.tobytes(), "RSB in place")
+    everywhere(inplace[:m].tobytes() == mine.tobytes(), "RSB in place", comm=comm)
     seg = exact[r * m:(r + 1) * m]
     rel = np.linalg.norm(mine - seg) / np.linalg.norm(seg)
-    everywhere(comm, rel <= REL_L2_LIMIT.get(P, 0.03), f"RSB error {rel:.4%}")
-    everywhere(comm, full.tobytes() == full2.tobytes(), "Allgather in place")
-    same_on_all_ranks(comm, full)
+    everywhere(rel <= REL_L2_LIMIT.get(P, 0.03), f"RSB error {rel:.4%}", comm=comm)
+    everywhere(full.tobytes() == full2.tobytes(), "Allgather in place", comm=comm)
+    same_on_all_ranks(full, comm)
     err = np.abs(full[r * m:(r + 1) * m] - mine).max()
-    everywhere(comm, err <= np.abs(mine).max() / 254 * 1.0001, "Allgather within half a step")
+    everywhere(err <= np.abs(mine).max() / 254 * 1.0001, "Allgather within half a step", comm=comm)
 
 
 def test_module_allreduce_caches_one_quantized_comm_per_comm():
@@ -249,7 +153,7 @@ def test_module_allreduce_caches_one_quantized_comm_per_comm():
     assert len(comm.Get_attr(equarx_mpi.helper._keyval)) == 1
     got = equarx_mpi.allreduce(x, comm, bits=16)
     assert len(comm.Get_attr(equarx_mpi.helper._keyval)) == 2
-    everywhere(comm, (got == comm.Get_size()).all(), "sum of ones")
+    everywhere((got == comm.Get_size()).all(), "sum of ones", comm=comm)
     comm.Free()
     assert qc._comm is None          # freed with its communicator
 
@@ -261,8 +165,8 @@ def test_uncompressed_wire_baselines(bits):
     xs = inputs(P, 50000, np.float32, seed=bits)
     with QuantizedComm(comm, bits=bits, min_quantized_bytes=0) as qc:
         got = qc.allreduce(xs[comm.Get_rank()])
-    same_on_all_ranks(comm, got)
+    same_on_all_ranks(got, comm)
     exact = exact_sum(xs)
     rel = np.linalg.norm(got - exact) / np.linalg.norm(exact)
     limit = 1e-6 if bits == 32 else 2 ** -8 * P
-    everywhere(comm, rel <= limit, f"bits={bits} rel error {rel:.2e}")
+    everywhere(rel <= limit, f"bits={bits} rel error {rel:.2e}", comm=comm)

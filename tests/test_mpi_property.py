@@ -14,7 +14,7 @@ offsets).  Each case is checked against exact answers:
   those values bit for bit;
 - MAX and MIN (exact by default) equal MPI's result bit for bit.
 
-Quantized MAX/MIN and their direction are checked in test_mpi_allreduce.py.
+Quantized MAX/MIN and their direction are checked in test_mpi_schedules.py.
 
     mpirun -n 5 python -m pytest --with-mpi tests/test_mpi_property.py
 

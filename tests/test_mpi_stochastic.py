@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from mpi_helpers import everywhere
-from reference import BF16, INT8, allgather, call_key, ring_allreduce, two_shot_allreduce
+from reference import BF16, INT8, allgather, call_key, ring_allreduce
 from reference_formats import INT4
+from reference_two_shot import two_shot_allreduce
 from test_mpi_property import make, mpi
 
 from equarx_mpi import QuantizedComm

@@ -13,17 +13,10 @@ not 1; run_tests.sh sets it, so there a missing torch fails.
 
 import numpy as np
 import pytest
-from mpi4py import MPI
-from mpi_helpers import equarx_and_gloo, everywhere, need_torch, raises_everywhere
+from mpi_helpers import WORLD, equarx_and_gloo, everywhere, raises_everywhere, torch_suite
 
-torch = need_torch()
-import torch.distributed as dist  # noqa: E402
-
-import equarx_mpi.torch as eqt  # noqa: E402
-
+torch, dist, eqt, R, P = torch_suite()
 pytestmark = pytest.mark.mpi
-WORLD = MPI.COMM_WORLD
-R, P = WORLD.Get_rank(), WORLD.Get_size()
 Op = dist.ReduceOp
 #: torch 2.10 renamed these (the old names warn); the group serves both
 ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

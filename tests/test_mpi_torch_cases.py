@@ -17,17 +17,12 @@ import time
 
 import pytest
 from mpi4py import MPI
-from mpi_helpers import equarx_and_gloo, everywhere, need_torch, raises_everywhere
+from mpi_helpers import WORLD, equarx_and_gloo, everywhere, raises_everywhere, torch_suite
 
-torch = need_torch()
-import torch.distributed as dist  # noqa: E402
-
-import equarx_mpi.torch as eqt  # noqa: E402
+torch, dist, eqt, R, P = torch_suite()
 from equarx_mpi.torch import calls  # noqa: E402
 
 pytestmark = pytest.mark.mpi
-WORLD = MPI.COMM_WORLD
-R, P = WORLD.Get_rank(), WORLD.Get_size()
 Op = dist.ReduceOp
 
 
