@@ -1,5 +1,6 @@
 """Numba kernels: pure functions on contiguous 1-D arrays, nothing else.
-``common`` holds the element helpers, each wire format its own module."""
+``common`` holds the element helpers, ``loops`` the block formats' shared
+block loops, each wire format its own module."""
 import hashlib
 import os
 

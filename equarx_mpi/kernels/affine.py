@@ -29,11 +29,11 @@ practice after at most one step.
 import numpy as np
 from numba import njit
 
+from equarx_mpi.kernels import loops
 from equarx_mpi.kernels.common import (
     CACHE,
     HELPER,
     KERNEL,
-    OP_SUM,
     ROUND_NEAREST,
     ROUND_UP,
     abs_bits,
@@ -41,17 +41,14 @@ from equarx_mpi.kernels.common import (
     as_acc,
     cast_like,
     from_order_key,
-    load,
     order_key,
-    out_limit,
-    readonly,
-    reduce2,
     store,
     wide_tiny_lift,
     wide_vectors,
 )
 
 _U = np.uint64
+CODE = 4                        # kernels/loops.py
 
 
 @njit(inline='always', **CACHE)
@@ -135,10 +132,11 @@ def _put(t, m, codes, at, nibbles):
 
 
 @njit(**HELPER)
-def emit(vals, off, m, heads, b, codes, lo_i, levels, tcodes, rmode):
+def emit(vals, off, m, max_u, heads, b, codes, lo_i, rmode, stream, levels, tcodes):
     """Quantize vals[off:off+m] (accumulation type) into heads[2b:2b+2] and
     the codes of values lo_i..lo_i+m-1 (lo_i even for nibbles); tcodes
-    holds m floats."""
+    holds m floats.  max_u at least Inf's bits (a reduced block that is
+    not finite) flags the block; the loops' emit (stream unused)."""
     wide_vectors()
     kmin = order_key(as_acc(heads, np.inf))
     kmax = order_key(as_acc(heads, -np.inf))
@@ -148,7 +146,8 @@ def emit(vals, off, m, heads, b, codes, lo_i, levels, tcodes, rmode):
         kmax = max(kmax, key)
     nibbles = levels < 16
     at = _U(lo_i >> 1) if nibbles else _U(lo_i)
-    if kmax >= order_key(as_acc(heads, np.inf)) or kmin <= order_key(as_acc(heads, -np.inf)):
+    if (max_u >= abs_bits(as_acc(heads, np.inf)) or kmax >= order_key(as_acc(heads, np.inf))
+            or kmin <= order_key(as_acc(heads, -np.inf))):
         heads[2 * b] = -np.inf                    # flagged: Inf or NaN inside
         heads[2 * b + 1] = np.inf
         for j in range((m + 1) >> 1 if nibbles else m):
@@ -166,18 +165,6 @@ def emit(vals, off, m, heads, b, codes, lo_i, levels, tcodes, rmode):
     _put(tcodes, m, codes, at, nibbles)
 
 
-@njit(**KERNEL)
-def af_encode(src, heads, codes, block, levels, scratch, rmode):
-    """(heads, codes) = Q(src); scratch holds 2 * block values."""
-    wide_vectors()
-    n = src.size
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        vals, off = acc_block(src, lo, m, scratch)
-        emit(readonly(vals), np.int64(off), m, heads, b, codes, lo, levels, scratch[block:], rmode)
-
-
 @njit(inline='always', **CACHE)
 def _block_head(heads, b, levels):
     """(lo, hi, base, d, 1/s, k) of block b."""
@@ -187,7 +174,7 @@ def _block_head(heads, b, levels):
 
 
 @njit(**HELPER)
-def _decode_block(heads, codes, b, lo_i, m, levels, dst, at_dst):
+def decode_block(heads, codes, b, lo_i, m, levels, dst, at_dst):
     """dst[at_dst:at_dst+m] = D(block b), stored in dst's type; the caller
     has checked the block is not flagged."""
     wide_vectors()
@@ -215,91 +202,46 @@ def _skip(heads, b, limit):
     return not max(abs(heads[2 * b]), abs(heads[2 * b + 1])) < limit
 
 
+@njit(inline='always', **CACHE)
+def _acc_values(src, lo, m, scratch):
+    """The loops' values: emit finds the extremes itself."""
+    vals, off = acc_block(src, lo, m, scratch)
+    return vals, off, abs_bits(as_acc(scratch, 0))
+
+
+@njit(inline='always', **CACHE)
+def _head(heads, codes, b, lo_i, m, levels, scratch):
+    """Decodes the block into scratch, then the loop reduces: two tight
+    loops over a block that stays in cache."""
+    decode_block(heads, codes, b, lo_i, m, levels, scratch, np.int64(0))
+    return heads[2 * b]
+
+
+loops.register(CODE, values=_acc_values, emit=emit, skip=_skip, decode=decode_block,
+               head=_head, value=loops.scratch_value)
+
+
+@njit(**KERNEL)
+def af_encode(src, heads, codes, block, levels, scratch, rmode):
+    """(heads, codes) = Q(src); scratch holds 2 * block values."""
+    loops.encode(CODE, src, heads, codes, block, scratch, rmode, np.uint64(0), levels)
+
+
 @njit(**KERNEL)
 def af_decode(heads, codes, out, block, levels, skipped):
-    """out = D(heads, codes); flagged blocks (and blocks too large for
-    out's type) are skipped.  Returns their number; their indices are in
-    skipped[:number]."""
-    wide_vectors()
-    n = out.size
-    limit = out_limit(out)
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo_i = b * block
-        m = min(block, n - lo_i)
-        if _skip(heads, b, limit):
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        _decode_block(heads, codes, b, lo_i, m, levels, out, lo_i)
-    return flagged
-
-
-@njit(**HELPER)
-def _reduce_block(own, heads, codes, b, lo_i, m, levels, op, scratch):
-    """scratch[:m] = own[lo_i:lo_i+m] (op) D(block b); returns the largest
-    magnitude bits (at least those of Inf for a flagged block, scratch
-    unset, and for a MAX or MIN whose own values hold Inf or NaN).
-    Decodes into scratch first, then combines: two tight loops over a
-    block that stays in cache."""
-    wide_vectors()
-    mx = abs_bits(as_acc(heads, 0))
-    if _skip(heads, b, as_acc(heads, np.inf)):
-        return abs_bits(as_acc(heads, np.inf))
-    _decode_block(heads, codes, b, lo_i, m, levels, scratch, np.int64(0))
-    if op == OP_SUM:
-        for j in range(m):
-            v = load(own, _U(lo_i + j)) + scratch[j]
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-    else:
-        mo = mx
-        for j in range(m):
-            x = load(own, _U(lo_i + j))
-            v = reduce2(op, x, scratch[j])
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-            mo = max(mo, abs_bits(x))
-        if mo >= abs_bits(as_acc(heads, np.inf)):
-            return mo                 # MIN(+Inf, x) is x: the block stays flagged
-    return mx
+    """loops.decode: out = D(heads, codes)."""
+    return loops.decode(CODE, heads, codes, out, block, levels, skipped)
 
 
 @njit(**KERNEL)
 def af_decode_reduce(own, heads, codes, out, block, levels, op, scratch, skipped):
-    """out = own (op) D(heads, codes), at full precision; blocks whose
-    input is flagged or whose result does not fit out are skipped (out may
-    be own, and stays the input there).  Returns their number; their
-    indices are in skipped[:number]."""
-    wide_vectors()
-    n = own.size
-    limit_u = abs_bits(out_limit(out))
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo_i = b * block
-        m = min(block, n - lo_i)
-        if _reduce_block(readonly(own), heads, codes, b, lo_i, m, levels, op, scratch) >= limit_u:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            store(out, _U(lo_i + j), scratch[j])
-    return flagged
+    """loops.decode_reduce: out = own (op) D(heads, codes)."""
+    return loops.decode_reduce(CODE, own, heads, codes, out, block, op, levels, scratch, skipped)
 
 
 @njit(**KERNEL)
 def af_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, levels, op, scratch, rmode):
-    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
-    place allowed (a block is read whole into scratch before it is
-    written).  A flagged input block, or a result holding Inf or NaN, gives
-    a flagged output block.  scratch holds 2 * block values."""
-    wide_vectors()
-    n = own.size
-    inf_u = abs_bits(as_acc(h_in, np.inf))
-    for b in range((n + block - 1) // block):
-        lo_i = b * block
-        m = min(block, n - lo_i)
-        if _reduce_block(readonly(own), h_in, c_in, b, lo_i, m, levels, op, scratch) >= inf_u:
-            scratch[0] = np.inf                   # so that emit flags the block
-        emit(readonly(scratch), np.int64(0), m, h_out, b, c_out, lo_i, levels, scratch[block:],
-             rmode)
+    """loops.decode_reduce_encode: (h_out, c_out) = Q(own (op) D(h_in,
+    c_in)); scratch holds 2 * block values."""
+    loops.decode_reduce_encode(CODE, own, h_in, c_in, h_out, c_out, block, op, levels, scratch,
+                               rmode, np.uint64(0))

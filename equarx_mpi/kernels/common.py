@@ -340,16 +340,6 @@ def _acc_block(src, lo, m, scratch):
     return converted
 
 
-@njit(inline='always', **CACHE)
-def abs_max(vals, off, m, like):
-    """The abs_bits of max |vals[off:off+m]| (NaN above Inf); ``like`` (an
-    array of the accumulation type) selects the type of the empty maximum."""
-    mx = abs_bits(as_acc(like, 0))
-    for j in range(m):
-        mx = max(mx, abs_bits(vals[np.uint64(off + j)]))
-    return mx
-
-
 def order_key(x):
     """A signed integer of x's width whose order is IEEE totalOrder of x:
     -NaN < -Inf < ... < -0.0 < +0.0 < ... < +Inf < +NaN (so block minima

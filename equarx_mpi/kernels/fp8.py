@@ -25,25 +25,18 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from equarx_mpi.kernels import loops
 from equarx_mpi.kernels.common import (
     CACHE,
     HELPER,
     KERNEL,
-    OP_SUM,
     ROUND_NEAREST,
     ROUND_UP,
     abs_bits,
-    abs_max,
-    acc_block,
     as_acc,
     f32_as_u32,
     f64_as_u64,
     from_abs_bits,
-    keep_or_skip,
-    load,
-    out_limit,
-    readonly,
-    reduce2,
     store,
     u32_as_f32,
     u64_as_f64,
@@ -53,6 +46,7 @@ from equarx_mpi.kernels.common import (
 
 LARGEST = 448
 MAX_CODE = 0x7E
+CODE = 3                        # kernels/loops.py
 _U = np.uint64
 
 
@@ -162,9 +156,10 @@ def _directed(x, y, a, rmode):
 
 
 @njit(**HELPER)
-def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
+def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail):
     """Quantize vals[off:off+m] (accumulation type, largest magnitude bits
-    max_u) into header[b] and codes[lo:lo+m]."""
+    max_u) into header[b] and codes[lo:lo+m]; the loops' emit (stream,
+    levels, tail unused)."""
     wide_vectors()
     zero = as_acc(header, 0)
     if max_u >= abs_bits(as_acc(header, np.inf)):
@@ -192,99 +187,49 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode):
             codes[_U(lo + j)] = _directed(x, (x * lift) * r, a, rmode)
 
 
+@njit(inline='always', **CACHE)
+def decode_block(header, codes, b, lo, m, levels, dst, at):
+    a = header[b]
+    for j in range(m):
+        store(dst, _U(at + j), scaled(a, codes[_U(lo + j)]) * a)
+
+
+@njit(inline='always', **CACHE)
+def _head(header, codes, b, lo, m, levels, scratch):
+    return header[b]
+
+
+@njit(inline='always', **CACHE)
+def _value(header, codes, a, i, j, scratch):
+    """Value i of the piece, decoded (a: its block's header)."""
+    return scaled(a, codes[i]) * a
+
+
+loops.register(CODE, values=loops.block_values, emit=emit, skip=loops.skip_magnitude,
+               decode=decode_block, head=_head, value=_value)
+
+
 @njit(**KERNEL)
 def f8_encode(src, header, codes, block, scratch, rmode):
     """(header, codes) = Q(src)."""
-    wide_vectors()
-    n = src.size
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        vals, off = acc_block(src, lo, m, scratch)
-        emit(readonly(vals), np.int64(off), m, abs_max(vals, off, m, header), header, b, codes, lo,
-             rmode)
+    loops.encode(CODE, src, header, codes, block, scratch, rmode, np.uint64(0), np.int64(0))
 
 
 @njit(**KERNEL)
 def f8_decode(header, codes, out, block, skipped):
-    """out = D(header, codes); flagged blocks (and blocks too large for
-    out's type) are skipped.  Returns their number; their indices are in
-    skipped[:number]."""
-    wide_vectors()
-    n = out.size
-    limit = out_limit(out)
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        a = header[b]
-        if not abs(a) < limit:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            i = _U(lo + j)
-            store(out, i, scaled(a, codes[i]) * a)
-    return flagged
-
-
-@njit(**HELPER)
-def _reduce_block(own, header, codes, b, lo, m, op, scratch):
-    """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
-    magnitude bits (at least those of Inf for a flagged block, scratch
-    unset, and for a MAX or MIN whose own values hold Inf or NaN)."""
-    wide_vectors()
-    a = header[b]
-    mx = abs_bits(as_acc(header, 0))
-    if not abs(a) < np.inf:
-        return abs_bits(as_acc(header, np.inf))
-    if op == OP_SUM:
-        for j in range(m):
-            i = _U(lo + j)
-            v = load(own, i) + scaled(a, codes[i]) * a
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-    else:
-        mo = mx
-        for j in range(m):
-            i = _U(lo + j)
-            x = load(own, i)
-            v = reduce2(op, x, scaled(a, codes[i]) * a)
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-            mo = max(mo, abs_bits(x))
-        if mo >= abs_bits(as_acc(header, np.inf)):
-            return mo                 # MIN(+Inf, x) is x: the block stays flagged
-    return mx
+    """loops.decode: out = D(header, codes)."""
+    return loops.decode(CODE, header, codes, out, block, np.int64(0), skipped)
 
 
 @njit(**KERNEL)
 def f8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
-    """out = own (op) D(header, codes), at full precision; blocks whose
-    input is flagged or whose result does not fit out are skipped (out may
-    be own, and stays the input there).  Returns their number; their
-    indices are in skipped[:number]."""
-    wide_vectors()
-    n = own.size
-    limit_u = abs_bits(out_limit(out))
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        max_u = _reduce_block(readonly(own), header, codes, b, lo, m, op, scratch)
-        flagged = keep_or_skip(out, lo, m, scratch, max_u, limit_u, b, skipped, flagged)
-    return flagged
+    """loops.decode_reduce: out = own (op) D(header, codes)."""
+    return loops.decode_reduce(CODE, own, header, codes, out, block, op, np.int64(0), scratch,
+                               skipped)
 
 
 @njit(**KERNEL)
 def f8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
-    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
-    place allowed (a block is read whole into scratch before it is
-    written)."""
-    wide_vectors()
-    n = own.size
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        max_u = _reduce_block(readonly(own), h_in, c_in, b, lo, m, op, scratch)
-        emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode)
+    """loops.decode_reduce_encode: (h_out, c_out) = Q(own (op) D(h_in, c_in))."""
+    loops.decode_reduce_encode(CODE, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
+                               scratch, rmode, np.uint64(0))

@@ -18,24 +18,17 @@ output limit, directed and stochastic rounding work as in int8
 import numpy as np
 from numba import njit
 
+from equarx_mpi.kernels import loops
 from equarx_mpi.kernels.common import (
     CACHE,
     HELPER,
     KERNEL,
-    OP_SUM,
     ROUND_NEAREST,
     ROUND_STOCHASTIC,
     ROUND_UP,
     abs_bits,
-    abs_max,
-    acc_block,
     as_acc,
     from_abs_bits,
-    keep_or_skip,
-    load,
-    out_limit,
-    readonly,
-    reduce2,
     sign_code,
     store,
     wide_tiny_lift,
@@ -44,6 +37,7 @@ from equarx_mpi.kernels.common import (
 from equarx_mpi.kernels.stochastic import stochastic_code
 
 LEVELS = 7
+CODE = 2                        # kernels/loops.py
 _U = np.uint64
 
 
@@ -81,9 +75,10 @@ def _code(x, q, a, k, levels, rmode, stream, i):
 
 
 @njit(**HELPER)
-def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
+def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail):
     """Quantize vals[off:off+m] (accumulation type, largest magnitude bits
-    max_u) into header[b] and the nibbles of values lo..lo+m-1 (lo even)."""
+    max_u) into header[b] and the nibbles of values lo..lo+m-1 (lo even);
+    the loops' emit (levels, tail unused)."""
     wide_vectors()
     zero = as_acc(header, 0)
     at = _U(lo >> 1)
@@ -125,114 +120,53 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
     header[b] = a
 
 
+@njit(inline='always', **CACHE)
+def decode_block(header, codes, b, lo, m, levels, dst, at):
+    k = as_acc(header, 1) / as_acc(header, LEVELS)
+    a = header[b]
+    c = _U(lo >> 1)
+    for j in range(m >> 1):
+        byte = codes[c + _U(j)]
+        store(dst, _U(at + 2 * j), (as_acc(header, _low(byte)) * k) * a)
+        store(dst, _U(at + 2 * j + 1), (as_acc(header, byte >> 4) * k) * a)
+    if m & 1:
+        store(dst, _U(at + m - 1), (as_acc(header, _low(codes[c + _U(m >> 1)])) * k) * a)
+
+
+@njit(inline='always', **CACHE)
+def _head(header, codes, b, lo, m, levels, scratch):
+    """Decodes the block into scratch, then the loop reduces: two tight
+    loops over a block that stays in cache."""
+    decode_block(header, codes, b, lo, m, levels, scratch, np.int64(0))
+    return header[b]
+
+
+loops.register(CODE, values=loops.block_values, emit=emit, skip=loops.skip_magnitude,
+               decode=decode_block, head=_head, value=loops.scratch_value)
+
+
 @njit(**KERNEL)
 def i4_encode(src, header, codes, block, scratch, rmode, stream=np.uint64(0)):
     """(header, codes) = Q(src); ``stream`` keys stochastic rounding."""
-    wide_vectors()
-    n = src.size
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        vals, off = acc_block(src, lo, m, scratch)
-        emit(readonly(vals), np.int64(off), m, abs_max(vals, off, m, header), header, b, codes, lo,
-             rmode, stream)
+    loops.encode(CODE, src, header, codes, block, scratch, rmode, stream, np.int64(0))
 
 
 @njit(**KERNEL)
 def i4_decode(header, codes, out, block, skipped):
-    """out = D(header, codes); flagged blocks (and blocks too large for
-    out's type) are skipped.  Returns their number; their indices are in
-    skipped[:number]."""
-    wide_vectors()
-    n = out.size
-    k = as_acc(header, 1) / as_acc(header, LEVELS)
-    limit = out_limit(out)
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        a = header[b]
-        if not abs(a) < limit:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        at = _U(lo >> 1)
-        for j in range(m >> 1):
-            byte = codes[at + _U(j)]
-            store(out, _U(lo + 2 * j), (as_acc(header, _low(byte)) * k) * a)
-            store(out, _U(lo + 2 * j + 1), (as_acc(header, byte >> 4) * k) * a)
-        if m & 1:
-            store(out, _U(lo + m - 1), (as_acc(header, _low(codes[at + _U(m >> 1)])) * k) * a)
-    return flagged
-
-
-@njit(**HELPER)
-def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
-    """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
-    magnitude bits (at least those of Inf for a flagged block, scratch
-    unset, and for a MAX or MIN whose own values hold Inf or NaN).
-    Decodes into scratch first, then combines: two tight loops over a
-    block that stays in cache."""
-    wide_vectors()
-    a = header[b]
-    mx = abs_bits(as_acc(header, 0))
-    if not abs(a) < np.inf:
-        return abs_bits(as_acc(header, np.inf))
-    at = _U(lo >> 1)
-    for j in range(m >> 1):
-        byte = codes[at + _U(j)]
-        scratch[2 * j] = (as_acc(header, _low(byte)) * k) * a
-        scratch[2 * j + 1] = (as_acc(header, byte >> 4) * k) * a
-    if m & 1:
-        scratch[m - 1] = (as_acc(header, _low(codes[at + _U(m >> 1)])) * k) * a
-    if op == OP_SUM:
-        for j in range(m):
-            v = load(own, _U(lo + j)) + scratch[j]
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-    else:
-        mo = mx
-        for j in range(m):
-            x = load(own, _U(lo + j))
-            v = reduce2(op, x, scratch[j])
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-            mo = max(mo, abs_bits(x))
-        if mo >= abs_bits(as_acc(header, np.inf)):
-            return mo                 # MIN(+Inf, x) is x: the block stays flagged
-    return mx
+    """loops.decode: out = D(header, codes)."""
+    return loops.decode(CODE, header, codes, out, block, np.int64(0), skipped)
 
 
 @njit(**KERNEL)
 def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
-    """out = own (op) D(header, codes), at full precision; blocks whose
-    input is flagged or whose result does not fit out are skipped (out may
-    be own, and stays the input there).  Returns their number; their
-    indices are in skipped[:number]."""
-    wide_vectors()
-    n = own.size
-    k = as_acc(header, 1) / as_acc(header, LEVELS)
-    limit_u = abs_bits(out_limit(out))
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        max_u = _reduce_block(readonly(own), header, codes, b, lo, m, op, k, scratch)
-        flagged = keep_or_skip(out, lo, m, scratch, max_u, limit_u, b, skipped, flagged)
-    return flagged
+    """loops.decode_reduce: out = own (op) D(header, codes)."""
+    return loops.decode_reduce(CODE, own, header, codes, out, block, op, np.int64(0), scratch,
+                               skipped)
 
 
 @njit(**KERNEL)
 def i4_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode,
                             stream=np.uint64(0)):
-    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop; in
-    place allowed (a block is read whole into scratch before it is
-    written)."""
-    wide_vectors()
-    n = own.size
-    k = as_acc(h_in, 1) / as_acc(h_in, LEVELS)
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        max_u = _reduce_block(readonly(own), h_in, c_in, b, lo, m, op, k, scratch)
-        emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode, stream)
+    """loops.decode_reduce_encode: (h_out, c_out) = Q(own (op) D(h_in, c_in))."""
+    loops.decode_reduce_encode(CODE, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
+                               scratch, rmode, stream)

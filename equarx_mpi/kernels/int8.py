@@ -44,22 +44,17 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
+from equarx_mpi.kernels import loops
 from equarx_mpi.kernels.common import (
     CACHE,
     HELPER,
     KERNEL,
-    OP_SUM,
     ROUND_NEAREST,
     ROUND_STOCHASTIC,
     ROUND_UP,
     abs_bits,
     as_acc,
     from_abs_bits,
-    keep_or_skip,
-    load,
-    out_limit,
-    readonly,
-    reduce2,
     sign_code,
     store,
     wide_vectors,
@@ -67,6 +62,8 @@ from equarx_mpi.kernels.common import (
 from equarx_mpi.kernels.stochastic import stochastic_code
 
 LEVELS = 127
+#: the format's code in kernels/loops.py
+CODE = 1
 _U = np.uint64
 #: the stream of a call without stochastic rounding (any uint64: unused)
 _NO_STREAM = np.uint64(0)
@@ -84,97 +81,61 @@ def _tiny_lift(like):
         return lambda like: (np.float64(2.0 ** -1000), np.float64(2.0 ** 128))
 
 
-def block_values(src, lo, m, scratch):
-    """(values, offset, largest magnitude bits) of src[lo:lo+m] in the
-    accumulation type: src itself when it holds that type, else a converted
-    copy in scratch."""
-
-
-@overload(block_values, jit_options=CACHE, inline='always')
-def _block_values(src, lo, m, scratch):
-    if src.dtype == types.float32 or src.dtype == types.float64:
-        def direct(src, lo, m, scratch):
-            mx = abs_bits(as_acc(scratch, 0))
-            for j in range(m):
-                mx = max(mx, abs_bits(src[_U(lo + j)]))
-            return src, lo, mx
-        return direct
-
-    def converted(src, lo, m, scratch):
-        mx = abs_bits(as_acc(scratch, 0))
+@njit(inline='always', **CACHE)
+def _start(vals, off, m, max_u, header, b, codes, lo):
+    """Write block b's header, and the codes of a flagged or all-zero
+    block; returns (a, lift, r) for emit's codes, a = 0 when done."""
+    zero = as_acc(header, 0)
+    if max_u >= abs_bits(as_acc(header, np.inf)):
+        header[b] = np.inf                       # flagged: Inf or NaN inside
         for j in range(m):
-            v = load(src, _U(lo + j))
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-        return scratch, 0, mx
-    return converted
+            codes[_U(lo + j)] = 0
+        return zero, zero, zero
+    if max_u == abs_bits(zero):
+        header[b] = zero
+        for j in range(m):
+            codes[_U(lo + j)] = sign_code(vals[_U(off + j)])
+        return zero, zero, zero
+    a = from_abs_bits(max_u, zero)
+    header[b] = a
+    tiny, lift = tiny_lift(zero)
+    levels = as_acc(header, LEVELS)
+    if a < tiny:
+        r = levels / (a * lift)
+    else:
+        lift = as_acc(header, 1)
+        r = levels / a
+    return a, lift, r
 
 
 @njit(**HELPER)
-def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream):
+def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail):
     """Quantize vals[off:off+m] (accumulation type; largest magnitude bits
     max_u) into header[b] and codes[lo:lo+m] (value lo + j of the piece:
-    uniform number lo + j of ``stream`` when stochastic).  The kernels pass
-    rounding to nearest to emit_nearest themselves (rmode None)."""
+    uniform number lo + j of ``stream`` when stochastic); the loops' emit
+    (levels, tail unused).  rmode None: rounding to nearest, compiled
+    without the other roundings."""
     wide_vectors()
+    a, lift, r = _start(vals, off, m, max_u, header, b, codes, lo)
+    if a == 0:
+        return
+    if rmode is None:
+        _nearest(vals, off, m, lift, r, codes, lo)
+        return
+    lv = as_acc(header, LEVELS)
     if rmode == ROUND_NEAREST:
-        emit_nearest(vals, off, m, max_u, header, b, codes, lo)
-        return
-    zero = as_acc(header, 0)
-    if max_u >= abs_bits(as_acc(header, np.inf)):
-        header[b] = np.inf                       # flagged: Inf or NaN inside
-        for j in range(m):
-            codes[_U(lo + j)] = 0
-        return
-    if max_u == abs_bits(zero):
-        header[b] = zero
-        for j in range(m):
-            codes[_U(lo + j)] = sign_code(vals[_U(off + j)])
-        return
-    a = from_abs_bits(max_u, zero)
-    header[b] = a
-    tiny, lift = tiny_lift(zero)
-    levels = as_acc(header, LEVELS)
-    if a < tiny:
-        r = levels / (a * lift)
-    else:
-        lift = as_acc(header, 1)
-        r = levels / a
-    if rmode == ROUND_STOCHASTIC:
+        _nearest(vals, off, m, lift, r, codes, lo)
+    elif rmode == ROUND_STOCHASTIC:
         for j in range(m):
             x = vals[_U(off + j)]
-            codes[_U(lo + j)] = np.int8(stochastic_code(x, (x * lift) * r, a, levels, stream,
-                                                        lo + j))
+            codes[_U(lo + j)] = np.int8(stochastic_code(x, (x * lift) * r, a, lv, stream, lo + j))
     else:
-        k = as_acc(header, 1) / levels
-        _directed(vals, off, m, lift, r, a, k, levels, codes, lo, rmode == ROUND_UP)
+        _directed(vals, off, m, lift, r, a, as_acc(header, 1) / lv, lv, codes, lo,
+                  rmode == ROUND_UP)
 
 
-@njit(**HELPER)
-def emit_nearest(vals, off, m, max_u, header, b, codes, lo):
-    """emit for rounding to nearest: the kernels compiled for nearest
-    alone use it."""
-    wide_vectors()
-    zero = as_acc(header, 0)
-    if max_u >= abs_bits(as_acc(header, np.inf)):
-        header[b] = np.inf                       # flagged: Inf or NaN inside
-        for j in range(m):
-            codes[_U(lo + j)] = 0
-        return
-    if max_u == abs_bits(zero):
-        header[b] = zero
-        for j in range(m):
-            codes[_U(lo + j)] = sign_code(vals[_U(off + j)])
-        return
-    a = from_abs_bits(max_u, zero)
-    header[b] = a
-    tiny, lift = tiny_lift(zero)
-    levels = as_acc(header, LEVELS)
-    if a < tiny:
-        r = levels / (a * lift)
-    else:
-        lift = as_acc(header, 1)
-        r = levels / a
+@njit(inline='always', **CACHE)
+def _nearest(vals, off, m, lift, r, codes, lo):
     if lift == 1:
         for j in range(m):
             codes[_U(lo + j)] = np.int8(np.rint(vals[_U(off + j)] * r))
@@ -218,16 +179,7 @@ def _mode(rmode):
 
 @njit(**KERNEL)
 def _encode(src, header, codes, block, scratch, rmode, stream):
-    wide_vectors()
-    n = src.size
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        vals, off, max_u = block_values(src, lo, m, scratch)
-        if rmode is None:
-            emit_nearest(readonly(vals), np.int64(off), m, max_u, header, b, codes, lo)
-        else:
-            emit(readonly(vals), np.int64(off), m, max_u, header, b, codes, lo, rmode, stream)
+    loops.encode(CODE, src, header, codes, block, scratch, rmode, stream, np.int64(0))
 
 
 def i8_encode(src, header, codes, block, scratch, rmode, stream=_NO_STREAM):
@@ -235,97 +187,52 @@ def i8_encode(src, header, codes, block, scratch, rmode, stream=_NO_STREAM):
     _encode(src, header, codes, block, scratch, _mode(rmode), stream)
 
 
+@njit(inline='always', **CACHE)
+def decode_block(header, codes, b, lo, m, levels, dst, at):
+    k = as_acc(header, 1) / as_acc(header, LEVELS)
+    a = header[b]
+    for j in range(m):
+        store(dst, _U(at + j), (as_acc(header, codes[_U(lo + j)]) * k) * a)
+
+
+@njit(inline='always', **CACHE)
+def head(header, codes, b, lo, m, levels, scratch):
+    return header[b]
+
+
+@njit(inline='always', **CACHE)
+def value(header, codes, a, i, j, scratch):
+    """Value i of the piece, decoded (a: its block's header)."""
+    return (as_acc(header, codes[i]) * (as_acc(header, 1) / as_acc(header, LEVELS))) * a
+
+
+loops.register(CODE, values=loops.block_values, emit=emit, skip=loops.skip_magnitude,
+               decode=decode_block, head=head, value=value)
+
+
 @njit(**KERNEL)
 def i8_decode(header, codes, out, block, skipped):
     """out = D(header, codes); flagged blocks are skipped.  Returns their
     number; their indices are in skipped[:number]."""
-    wide_vectors()
-    n = out.size
-    k = as_acc(header, 1) / as_acc(header, LEVELS)
-    limit = out_limit(out)
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        a = header[b]
-        if not abs(a) < limit:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        for j in range(m):
-            i = _U(lo + j)
-            store(out, i, (as_acc(header, codes[i]) * k) * a)
-    return flagged
-
-
-@njit(**HELPER)
-def _reduce_block(own, header, codes, b, lo, m, op, k, scratch):
-    """scratch[:m] = own[lo:lo+m] (op) D(block b); returns the largest
-    magnitude bits (at least those of Inf for a flagged block, scratch
-    unset, and for a MAX or MIN whose own values hold Inf or NaN)."""
-    wide_vectors()
-    a = header[b]
-    mx = abs_bits(as_acc(header, 0))
-    if not abs(a) < np.inf:
-        return abs_bits(as_acc(header, np.inf))
-    if op == OP_SUM:
-        for j in range(m):
-            i = _U(lo + j)
-            v = load(own, i) + (as_acc(header, codes[i]) * k) * a
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-    else:
-        mo = mx
-        for j in range(m):
-            i = _U(lo + j)
-            x = load(own, i)
-            v = reduce2(op, x, (as_acc(header, codes[i]) * k) * a)
-            scratch[j] = v
-            mx = max(mx, abs_bits(v))
-            mo = max(mo, abs_bits(x))
-        if mo >= abs_bits(as_acc(header, np.inf)):
-            return mo                 # MIN(+Inf, x) is x: the block stays flagged
-    return mx
+    return loops.decode(CODE, header, codes, out, block, np.int64(0), skipped)
 
 
 @njit(**KERNEL)
 def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
-    """out = own (op) D(header, codes), at full precision; blocks whose
-    input is flagged or whose result does not fit out are skipped (out may
-    be own, and stays the input there).  Returns their number; their
-    indices are in skipped[:number]."""
-    wide_vectors()
-    n = own.size
-    k = as_acc(header, 1) / as_acc(header, LEVELS)
-    limit_u = abs_bits(out_limit(out))
-    flagged = 0
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        max_u = _reduce_block(readonly(own), header, codes, b, lo, m, op, k, scratch)
-        flagged = keep_or_skip(out, lo, m, scratch, max_u, limit_u, b, skipped, flagged)
-    return flagged
+    """loops.decode_reduce: out = own (op) D(header, codes)."""
+    return loops.decode_reduce(CODE, own, header, codes, out, block, op, np.int64(0), scratch,
+                               skipped)
 
 
 @njit(**KERNEL)
 def _decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode, stream):
-    wide_vectors()
-    n = own.size
-    k = as_acc(h_in, 1) / as_acc(h_in, LEVELS)
-    for b in range((n + block - 1) // block):
-        lo = b * block
-        m = min(block, n - lo)
-        max_u = _reduce_block(readonly(own), h_in, c_in, b, lo, m, op, k, scratch)
-        if rmode is None:
-            emit_nearest(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo)
-        else:
-            emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode, stream)
+    loops.decode_reduce_encode(CODE, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
+                               scratch, rmode, stream)
 
 
 def i8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode,
                             stream=_NO_STREAM):
-    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop, one
-    pass per block; in place allowed (a block is read whole into scratch
-    before it is written)."""
+    """(h_out, c_out) = Q(own (op) D(h_in, c_in)): the fused ring hop
+    (loops.decode_reduce_encode)."""
     _decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, _mode(rmode),
                           stream)

@@ -16,7 +16,8 @@ from equarx_mpi.kernels.common import (
     reduce2,
     wide_vectors,
 )
-from equarx_mpi.kernels.int8 import _NO_STREAM, LEVELS, _mode, emit, emit_nearest
+from equarx_mpi.kernels.int8 import _NO_STREAM, LEVELS, _mode, emit
+from equarx_mpi.kernels.loops import fold
 
 _U = np.uint64
 
@@ -49,15 +50,7 @@ def _reduce_many_block(own, pos, heads, codes, h, b, lo, m, op, k, scratch):
             return inf_u
     for t in range(last + 1):
         if t == pos:
-            if t == 0:
-                for j in range(m):
-                    scratch[j] = load(own, _U(lo + j))
-            elif op == OP_SUM:
-                for j in range(m):
-                    scratch[j] = scratch[j] + load(own, _U(lo + j))
-            else:
-                for j in range(m):
-                    scratch[j] = reduce2(op, scratch[j], load(own, _U(lo + j)))
+            fold(own, t, lo, m, op, scratch)
             continue
         row = t if t < pos else t - 1
         a = heads[row, b]
@@ -95,10 +88,8 @@ def _decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block, o
         lo = b * block
         m = min(block, n - lo)
         max_u = _reduce_many_block(readonly(own), pos, heads, codes, h, b, lo, m, op, k, scratch)
-        if rmode is None:
-            emit_nearest(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo)
-        else:
-            emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode, stream)
+        emit(readonly(scratch), np.int64(0), m, max_u, h_out, b, c_out, lo, rmode, stream,
+             np.int64(0), scratch[block:])
 
 
 def i8_decode_reduce_encode_many(own, pos, heads, codes, h, h_out, c_out, block, op,

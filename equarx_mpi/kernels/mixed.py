@@ -246,12 +246,14 @@ def emit_block(vals, off, m, room, u, eta, u8, i8, i16, acc, pay, heads, nh, tco
     zero_i = np.int64(0)
     if tag == INT4:
         int4.emit(vals, off, m, mx, heads, nh, i8[pay:], zero_i, np.int64(ROUND_NEAREST),
-                  np.uint64(0))
+                  np.uint64(0), zero_i, tcodes)
     elif tag == INT8:
-        int8.emit_nearest(vals, off, m, mx, heads, nh, i8[pay:], zero_i)
+        int8.emit(vals, off, m, mx, heads, nh, i8[pay:], zero_i, None, np.uint64(0), zero_i,
+                  tcodes)
     elif tag == INT4A or tag == INT8A:
-        affine.emit(vals, off, m, heads[nh:], zero_i, u8[pay:], zero_i,
-                    np.int64(15 if tag == INT4A else 255), tcodes, np.int64(ROUND_NEAREST))
+        affine.emit(vals, off, m, mx, heads[nh:], zero_i, u8[pay:], zero_i,
+                    np.int64(ROUND_NEAREST), np.uint64(0), np.int64(15 if tag == INT4A else 255),
+                    tcodes)
     elif tag == INT16:
         _emit16(vals, off, m, from_abs_bits(mx, zero), heads, nh, i16, pay >> 1)
     else:                       # RAW
@@ -268,24 +270,14 @@ def decode_block(tag, u8, i8, i16, acc, pay, hd, m, dst):
     """dst[:m] = the values of a block (not FLAG) whose payload starts at
     byte ``pay`` and headers at acc[hd:], in the accumulation type."""
     wide_vectors()
+    zero_i = np.int64(0)
     if tag == ZERO:
         for j in range(m):
             dst[j] = 0
     elif tag == INT4:
-        a = acc[hd]
-        k = as_acc(acc, 1) / as_acc(acc, 7)
-        for j in range(m >> 1):
-            byte = i8[_U(pay + j)]
-            dst[2 * j] = (as_acc(acc, np.int8(byte << 4) >> 4) * k) * a
-            dst[2 * j + 1] = (as_acc(acc, byte >> 4) * k) * a
-        if m & 1:
-            byte = i8[_U(pay + (m >> 1))]
-            dst[m - 1] = (as_acc(acc, np.int8(byte << 4) >> 4) * k) * a
+        int4.decode_block(acc[hd:], i8[pay:], zero_i, zero_i, m, zero_i, dst, zero_i)
     elif tag == INT8:
-        a = acc[hd]
-        k = as_acc(acc, 1) / as_acc(acc, 127)
-        for j in range(m):
-            dst[j] = (as_acc(acc, i8[_U(pay + j)]) * k) * a
+        int8.decode_block(acc[hd:], i8[pay:], zero_i, zero_i, m, zero_i, dst, zero_i)
     elif tag == INT16:
         a = acc[hd]
         k = as_acc(acc, 1) / as_acc(acc, L16)
@@ -293,8 +285,8 @@ def decode_block(tag, u8, i8, i16, acc, pay, hd, m, dst):
         for j in range(m):
             dst[j] = (as_acc(acc, i16[_U(at + j)]) * k) * a
     elif tag == INT4A or tag == INT8A:
-        affine._decode_block(acc[hd:], u8[pay:], np.int64(0), np.int64(0), m,
-                             np.int64(15 if tag == INT4A else 255), dst, np.int64(0))
+        affine.decode_block(acc[hd:], u8[pay:], zero_i, zero_i, m,
+                            np.int64(15 if tag == INT4A else 255), dst, zero_i)
     elif tag == DELTA:
         delta.decode(u8, pay, acc, hd, m, dst)
     else:
@@ -373,13 +365,8 @@ def mx_decode(u8, i8, i16, acc, i64, f64, out, block, scratch, skipped):
         lo = b * block
         m = min(block, n - lo)
         tag = u8[META + b]
-        if tag == FLAG:
-            skipped[flagged] = b
-            flagged += 1
-            continue
-        big = block_magnitude(tag, u8, acc, pay, hd, m)
-        if not big < limit:
-            skipped[flagged] = b
+        if tag == FLAG or not block_magnitude(tag, u8, acc, pay, hd, m) < limit:
+            skipped[flagged] = b           # (a FLAG block has no payload, no header)
             flagged += 1
         else:
             decode_block(tag, u8, i8, i16, acc, pay, hd, m, scratch)

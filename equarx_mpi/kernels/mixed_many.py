@@ -9,14 +9,15 @@ from numba import njit
 from equarx_mpi.kernels.common import (
     CACHE,
     KERNEL,
+    OP_SUM,
     abs_bits,
     as_acc,
-    load,
     out_limit,
     readonly,
     store,
     wide_vectors,
 )
+from equarx_mpi.kernels.loops import fold
 from equarx_mpi.kernels.mixed import (
     FLAG,
     META,
@@ -43,12 +44,7 @@ def _reduce_many_block(own, pos, u8, i8, i16, acc, cur, b, lo, m, scratch, tmp):
     flag = False
     for t in range(rows + 1):
         if t == pos:
-            if t == 0:
-                for j in range(m):
-                    scratch[j] = load(own, _U(lo + j))
-            else:
-                for j in range(m):
-                    scratch[j] = scratch[j] + load(own, _U(lo + j))
+            fold(own, t, lo, m, OP_SUM, scratch)
             continue
         row = t if t < pos else t - 1
         tag = u8[row, META + b]

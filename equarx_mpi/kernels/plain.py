@@ -21,6 +21,7 @@ from equarx_mpi.kernels.common import (
     wire_abs_bits,
     wire_inf_bits,
 )
+from equarx_mpi.kernels.loops import fold
 
 _U = np.uint64
 
@@ -93,26 +94,9 @@ def _reduce_many(own, pos, wires, lo, m, op, scratch):
     the largest magnitude bits (those of Inf or NaN if one is inside)."""
     for t in range(wires.shape[0] + 1):
         if t == pos:
-            if t == 0:
-                for j in range(m):
-                    scratch[j] = load(own, _U(lo + j))
-            elif op == OP_SUM:
-                for j in range(m):
-                    scratch[j] = scratch[j] + load(own, _U(lo + j))
-            else:
-                for j in range(m):
-                    scratch[j] = reduce2(op, scratch[j], load(own, _U(lo + j)))
-            continue
-        row = t if t < pos else t - 1
-        if t == 0:
-            for j in range(m):
-                scratch[j] = load(wires, (row, _U(lo + j)))
-        elif op == OP_SUM:
-            for j in range(m):
-                scratch[j] = scratch[j] + load(wires, (row, _U(lo + j)))
+            fold(own, t, lo, m, op, scratch)
         else:
-            for j in range(m):
-                scratch[j] = reduce2(op, scratch[j], load(wires, (row, _U(lo + j))))
+            fold(wires[t if t < pos else t - 1], t, lo, m, op, scratch)
     mx = abs_bits(as_acc(scratch, 0))
     for j in range(m):
         mx = max(mx, abs_bits(scratch[j]))
