@@ -207,7 +207,8 @@ class QuantizedComm:
         residual joins this rank's input and takes up what this call's
         quantizations lose (feedback.py)."""
         if feedback is None:
-            if self._repeat(sendbuf, recvbuf, op, self._comm.Allreduce):
+            comm = self._comm       # None once freed: _prepare says so
+            if comm is not None and self._repeat(sendbuf, recvbuf, op, comm.Allreduce):
                 return
             c = self._prepare("Allreduce", sendbuf, recvbuf, op)
             self._keep(sendbuf, recvbuf, op, c)
