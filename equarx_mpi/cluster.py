@@ -1,5 +1,5 @@
-"""Emulated cluster: run the benchmark (or any command) across network
-namespaces joined by rate-limited links, on one machine.
+"""Emulated cluster (docs/CLUSTER.md): the benchmark or any command across
+network namespaces joined by rate-limited links, on one machine.
 
     sudo python -m equarx_mpi.cluster run --hosts 4 --rate 1gbit -- [COMMAND] <bench args>
     sudo python -m equarx_mpi.cluster run --hosts 2 --exec -- my_script.py
@@ -8,10 +8,8 @@ namespaces joined by rate-limited links, on one machine.
 Layout: one namespace holds a bridge; each emulated host is a namespace with
 one veth (``eth0``) to a bridge port.  A tbf qdisc on ``eth0`` limits what the
 host sends and one on its bridge port limits what it receives, so each host
-has its own full-duplex link.  Addresses come from SUBNET and exist only
-inside these namespaces; nothing is ever created in the root namespace, so
-deleting the namespaces removes every link.  See docs/CLUSTER.md.
-"""
+has its own full-duplex link.  Nothing is created in the root namespace
+(addresses: SUBNET): deleting the namespaces removes every link."""
 import argparse
 import ipaddress
 import os

@@ -57,8 +57,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         super().__init__(comm.Get_rank(), comm.Get_size())
         self._base = comm
         self._options = dict(options)
-        # agreements, then the exact collectives: always in the thread that
-        # runs the group's calls in order (never two at once)
+        # agreements, exact collectives: in the thread running calls in order
         self._ctl, self._data = comm.Dup(), comm.Dup()
         self._p2p = comm.Dup()          # send/recv, never queued
         self._qc = GroupComm(comm, **self._options)   # (its excepthook aborts the job)
