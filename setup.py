@@ -24,7 +24,7 @@ setup(
     license="BSD-3-Clause",
     packages=find_packages(include=["equarx_mpi", "equarx_mpi.*"]),
     # PEP 561: the public face is annotated (mypy.ini checks it)
-    package_data={"equarx_mpi": ["py.typed"]},
+    package_data={"equarx_mpi": ["py.typed", "model/builtin.json"]},
     python_requires=">=3.9",
     install_requires=["mpi4py>=4", "numpy>=1.24", "numba>=0.58", "ml_dtypes>=0.3"],
     extras_require={

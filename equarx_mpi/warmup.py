@@ -1,6 +1,7 @@
 """Fill numba's on-disk cache with every kernel, once, after installing.
 
     python -m equarx_mpi.warmup          # or equarx_mpi.warmup() in Python
+    python -m equarx_mpi.warmup --jobs 2 # two processes, one per core
 
 The kernels are compiled by numba on first use and cached on disk.  A cold
 cache costs the first quantized call of a process a few seconds (the
@@ -25,7 +26,9 @@ kernel at once all pay for it (QuantizedComm staggers them: one rank per
 node first, the others load its result).
 """
 import argparse
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -60,10 +63,12 @@ def cache_locations(dispatchers=None):
     return sorted(out)
 
 
-def warmup(verbose=False):
+def warmup(verbose=False, part=0, parts=1):
     """Compile, or load from numba's cache, every kernel for every input
-    type and wire format.  Returns a dict: seconds, compiled (kernel
-    signatures compiled now), loaded (found in the cache), cache (folders)."""
+    type and wire format (with parts > 1: the part-th of that many shares,
+    for processes that fill the cache side by side).  Returns a dict:
+    seconds, compiled (kernel signatures compiled now), loaded (found in
+    the cache), cache (folders)."""
     from equarx_mpi.bounds import bound
     from equarx_mpi.collectives.engine import warm
     from equarx_mpi.names import QUANTIZED_DTYPES, kernel_view
@@ -71,15 +76,17 @@ def warmup(verbose=False):
     t0 = time.perf_counter()
     ds = _dispatchers()
     hits0, misses0 = _counts(ds)
-    bound.warm(bound.ROUNDING)
-    for wire in formats.WIRES + (formats.MODE_WIRE,):
-        for dt in QUANTIZED_DTYPES:
-            kd = kernel_view(np.zeros(1, dt), False).dtype
-            t = time.perf_counter()
-            warm(formats.make_format(wire, formats.default_block(wire), kd), kd)
-            if verbose:
-                print(f"  {wire:11s} {np.dtype(dt).name:9s} {time.perf_counter() - t:7.2f} s",
-                      flush=True)
+    if part == 0:
+        bound.warm(bound.ROUNDING)
+    pairs = [(wire, dt) for wire in formats.WIRES + (formats.MODE_WIRE,)
+             for dt in QUANTIZED_DTYPES]
+    for wire, dt in pairs[part::parts]:
+        kd = kernel_view(np.zeros(1, dt), False).dtype
+        t = time.perf_counter()
+        warm(formats.make_format(wire, formats.default_block(wire), kd), kd)
+        if verbose:
+            print(f"  {wire:11s} {np.dtype(dt).name:9s} {time.perf_counter() - t:7.2f} s",
+                  flush=True)
     ds = _dispatchers()
     hits, misses = _counts(ds)
     return dict(seconds=time.perf_counter() - t0, compiled=misses - misses0,
@@ -92,11 +99,32 @@ def main(argv=None):
                                 epilog=__doc__.split("\n\n", 3)[3],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-q", "--quiet", action="store_true", help="print only the summary")
+    p.add_argument("-j", "--jobs", type=int, default=1, metavar="N",
+                   help="compile in N processes side by side (default 1)")
+    p.add_argument("--part", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.jobs < 1:
+        p.error(f"--jobs must be at least 1, got {args.jobs}")
+    if args.part is not None:           # one share, for the process that asked
+        print(json.dumps(warmup(part=args.part, parts=args.jobs)), flush=True)
+        return 0
     if not args.quiet:
         where = os.environ.get("NUMBA_CACHE_DIR")
         print(f"# equarx_mpi.warmup: NUMBA_CACHE_DIR={where or '(unset)'}", flush=True)
-    r = warmup(verbose=not args.quiet)
+    others = [subprocess.Popen([sys.executable, "-m", "equarx_mpi.warmup", "--jobs",
+                                str(args.jobs), "--part", str(k)], stdout=subprocess.PIPE,
+                               text=True) for k in range(1, args.jobs)]
+    r = warmup(verbose=not args.quiet, parts=args.jobs)
+    for o in others:
+        out, _ = o.communicate()
+        if o.returncode:
+            print(f"# equarx_mpi.warmup: part {others.index(o) + 1} of {args.jobs} failed "
+                  f"(exit {o.returncode})", file=sys.stderr)
+            return o.returncode
+        got = json.loads(out.strip().splitlines()[-1])
+        r["compiled"] += got["compiled"]
+        r["loaded"] += got["loaded"]
+        r["cache"] = sorted(set(r["cache"]) | set(got["cache"]))
     print(f"# {r['compiled']} kernel signatures compiled, {r['loaded']} loaded from the "
           f"cache, {r['seconds']:.2f} s", flush=True)
     for path in r["cache"]:

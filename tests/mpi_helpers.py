@@ -61,6 +61,22 @@ def case_id(v):
     return np.dtype(v).name if isinstance(v, (type, np.dtype)) else None
 
 
+def allreduce_as(form, comm, *args):
+    """comm's Allreduce(*args) as a "blocking", "nonblocking" (Iallreduce,
+    waited for) or "persistent" call (Allreduce_init, started once, waited
+    for and freed)."""
+    if form == "blocking":
+        comm.Allreduce(*args)
+    elif form == "nonblocking":
+        comm.Iallreduce(*args).Wait()
+    else:
+        assert form == "persistent", form
+        req = comm.Allreduce_init(*args)
+        req.Start()
+        req.Wait()
+        req.Free()
+
+
 def raises_everywhere(exc_type, fn, match=None, comm=WORLD):
     """fn() must raise exc_type on every rank, with the same message."""
     try:

@@ -10,13 +10,13 @@ helpers: tests/test_tools.py.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from jobs import ENV, MPIRUN, run_job
 from mpi4py import MPI
 
 from equarx_mpi.bench import allreduce as bench
@@ -26,9 +26,6 @@ from equarx_mpi.bench import report
 from equarx_mpi.bench.common import mpi_library
 from equarx_mpi.bench.methods import METHODS, Method
 
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
 TINY = ["-b", "4K", "-e", "256K", "-f", "8", "-w", "1", "-n", "2"]
 
 # On sys.path first, this makes `import matplotlib` fail as if it were not installed.
@@ -47,15 +44,7 @@ def bench_run(args, timeout, env=ENV, ranks=2):
     group is killed if it runs past timeout (so a hung rank cannot linger)."""
     cmd = [MPIRUN, "-n", str(ranks), *(["-x", "PYTHONPATH"] if "PYTHONPATH" in env else []),
            sys.executable, "-m", "equarx_mpi.bench", *args]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"hung: no exit within {timeout}s\n{out}\n{err}")
-    return p.returncode, out, err
+    return run_job(cmd, timeout, env)
 
 
 def table(stdout):

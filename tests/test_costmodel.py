@@ -10,12 +10,12 @@ error: tests/test_costmodel_schedules.py.
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from jobs import MPIRUN, run_job
 
 from equarx_mpi import names
 from equarx_mpi.call import options, policy
@@ -343,18 +343,9 @@ def test_tune_quick_at_two_ranks(tmp_path):
     """`mpirun -n 2 python -m equarx_mpi.tune --quick` writes a profile that
     QuantizedComm's search accepts (a few seconds)."""
     out = tmp_path / "p.json"
-    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
-    p = subprocess.Popen([mpirun, "-n", "2", sys.executable, "-m", "equarx_mpi.tune",
-                          "--quick", "--output", str(out)], env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        _, err = p.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail("tune hung")
-    assert p.returncode == 0, err
+    code, _, err = run_job([MPIRUN, "-n", "2", sys.executable, "-m", "equarx_mpi.tune",
+                            "--quick", "--output", str(out)], 300)
+    assert code == 0, err
     assert "layout 1x2" in err and "saved" in err
     prof = profiles.load(out)
     lay = prof["layouts"]["1x2"]
@@ -362,7 +353,7 @@ def test_tune_quick_at_two_ranks(tmp_path):
     assert set(lay["times"]) == set(METHODS_ONE_NODE)
     assert all(t > 0 for ts in lay["times"].values() for t in ts)
     assert prof["machine"]["ranks"] == 2
-    env[profiles.ENV] = str(out)
+    env = dict(os.environ, **{profiles.ENV: str(out)})
     got = subprocess.run([sys.executable, "-c", "from equarx_mpi.model import profiles; "
                           "print(profiles.find_profile()[1])"], env=env, text=True,
                          capture_output=True, timeout=120)

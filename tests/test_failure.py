@@ -3,15 +3,14 @@
 Serial pytest; each case starts its own small mpirun with a time limit.
 """
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 import time
 
 import pytest
+from jobs import MPIRUN, run_job
 
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
 LIMIT = 90
 
 PRELUDE = """
@@ -69,17 +68,10 @@ def test_job_ends_instead_of_hanging(case, env, tmp_path):
     script = tmp_path / "job.py"
     script.write_text(PRELUDE + textwrap.dedent(body) + "print('rank', rank, 'finished')\n")
     t0 = time.monotonic()
-    p = subprocess.Popen([MPIRUN, "-n", "3", sys.executable, str(script)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"job hung for {LIMIT}s:\n{out[-3000:]}")
+    code, out, _ = run_job([MPIRUN, "-n", "3", sys.executable, str(script)], LIMIT, env,
+                           stderr=subprocess.STDOUT)
     elapsed = time.monotonic() - t0
-    assert p.returncode != 0, out
+    assert code != 0, out
     assert text in out, out[-3000:]
     assert "rank 0 finished" not in out
-    print(f"{case}: ended in {elapsed:.1f}s with exit {p.returncode}")
+    print(f"{case}: ended in {elapsed:.1f}s with exit {code}")

@@ -45,19 +45,29 @@ def _modules():
         yield ".".join(("equarx_mpi",) + rel.parts).removesuffix(".__init__"), path
 
 
+def _package(name, path):
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _from(node, pkg):
+    """The module a ``from ... import`` names, relative imports resolved."""
+    base = node.module or ""
+    if node.level:
+        base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                        + ([base] if base else []))
+    return base
+
+
 def _imports(name, path, mods):
     """The package's modules that ``name`` imports, anywhere in its body
     (``from package import module`` imports the module, not the package)."""
-    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    pkg = _package(name, path)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("equarx_mpi")}
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
-                                + ([base] if base else []))
+            base = _from(node, pkg)
             if base.startswith("equarx_mpi"):
                 subs = {f"{base}.{a.name}" for a in node.names} & set(mods)
                 found |= subs or {base}
@@ -132,7 +142,7 @@ def _tool_faults(name, path, mods):
     that is neither public nor INTERNAL, and the private attributes it
     reads of anything but itself (self, cls)."""
     public = {pkg: _all(pkg) for pkg in PUBLIC}
-    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    pkg = _package(name, path)
     used, aliases, faults = [], {}, []
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
@@ -143,10 +153,7 @@ def _tool_faults(name, path, mods):
                     # "import a.b" binds a, "import a.b as c" binds c to a.b
                     aliases[a.asname or "equarx_mpi"] = a.name if a.asname else "equarx_mpi"
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
-                                + ([base] if base else []))
+            base = _from(node, pkg)
             if base.startswith("equarx_mpi"):
                 used += [(f"{base}.{a.name}", None) if f"{base}.{a.name}" in mods
                          else (base, a.name) for a in node.names]

@@ -43,7 +43,7 @@ from exact_check import errors_above
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
-from mpi_helpers import everywhere, rank0_draws
+from mpi_helpers import allreduce_as, everywhere, rank0_draws
 
 from equarx_mpi import QuantizedComm
 from equarx_mpi.wire import formats
@@ -228,15 +228,7 @@ def run_call(qc, c, x, m):
     else:
         out = x.copy() if c["in_place"] else np.empty_like(x)
         args = (MPI.IN_PLACE if c["in_place"] else x, out, OPS[op])
-        if c["form"] == "blocking":
-            qc.Allreduce(*args)
-        elif c["form"] == "nonblocking":
-            qc.Iallreduce(*args).Wait()
-        else:
-            req = qc.Allreduce_init(*args)
-            req.Start()
-            req.Wait()
-            req.Free()
+        allreduce_as(c["form"], qc, *args)
     if op == "sum":
         return out, parts
     with np.errstate(invalid="ignore"):

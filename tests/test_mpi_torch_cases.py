@@ -7,8 +7,7 @@ reductions, dropped sends, messages above MPI's int counts.
 
     mpirun -n 2 python -m pytest --with-mpi -q tests/test_mpi_torch_cases.py
 
-Skips (at collection) only where torch is missing and EQUARX_MPI_TORCH is
-not 1; run_tests.sh sets it, so there a missing torch fails.
+Skips as tests/test_mpi_torch.py does (mpi_helpers.torch_suite).
 """
 import datetime
 import gc

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_helpers import WORLD, everywhere, raises_everywhere
+from mpi_helpers import WORLD, allreduce_as, everywhere, raises_everywhere
 
 import equarx_mpi
 from equarx_mpi.call.validate import BFLOAT16
@@ -168,14 +168,7 @@ def test_exact_window_calls_run_the_window():
     checks = {}
     for how in ("blocking", "nonblocking", "persistent"):
         got = np.empty_like(x)
-        if how == "blocking":
-            c.Allreduce(x, got)
-        elif how == "nonblocking":
-            c.Iallreduce(x, got).Wait()
-        else:
-            req = c.Allreduce_init(x, got)
-            req.Start()
-            req.Wait()
+        allreduce_as(how, c, x, got)
         info = c.last_call
         checks[how] = (info.method == q.last_call.method and bits(got) == bits(ref)
                        and info.error_bound == q.last_call.error_bound < np.inf)

@@ -11,20 +11,17 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from jobs import ENV, MPIRUN, run_job
 
 from equarx_mpi.bench import common
 from equarx_mpi.bench.methods import METHODS, PIECES, parse_methods
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIRUN = os.path.join(os.path.dirname(sys.executable), "mpirun")
-ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-           PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
 OLD_NAMES = ("shmbench", "tolbench", "kernelbench", "tunepredict", "benchoverlap",
              "costmodel_builtin")
 
@@ -331,15 +328,15 @@ def test_tune_check_models_what_each_row_ran(tmp_path):
 def test_tune_builtin_writes_a_loadable_profile(tmp_path):
     from equarx_mpi.model import profiles
     prof = profiles.builtin()
-    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "builtin.py"
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "builtin.json"
     a.write_text(json.dumps(dict(prof, machine=dict(command="mpirun -n 2 ...", ranks=2))))
     b.write_text(json.dumps(dict(prof, copy=prof["copy"] * 2)))
     no_mpi("tune", "builtin", str(a), str(b), "--output", str(out))
-    ns = {}
-    exec(compile(out.read_text(), str(out), "exec"), ns)
-    assert ns["PROFILE"]["copy"] == prof["copy"] * 2
-    assert ns["PROFILE"]["source"] == "builtin" and "machine" not in ns["PROFILE"]
-    assert "#   mpirun -n 2 ...  (2 ranks" in out.read_text()
+    written = json.loads(out.read_text())
+    assert written["copy"] == prof["copy"] * 2
+    assert written["source"] == "builtin" and "machine" not in written
+    assert written["generated"]["from"][0].startswith("mpirun -n 2 ...  (2 ranks")
+    profiles.check(written)
 
 
 # --- one run under mpirun: a command other than the default --------------
@@ -347,15 +344,8 @@ def test_tune_builtin_writes_a_loadable_profile(tmp_path):
 def test_bench_shm_runs_at_two_ranks():
     cmd = [MPIRUN, "-n", "2", sys.executable, "-m", "equarx_mpi.bench", "shm", "-b", "4K",
            "-e", "16K", "-w", "1", "-n", "1", "--max-iters", "2", "--budget", "0.01"]
-    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"hung\n{out}\n{err}")
-    assert p.returncode == 0, out + err
+    code, out, err = run_job(cmd, 300, ENV)
+    assert code == 0, out + err
     assert out.startswith("# bench shm allreduce: 2 ranks"), out
     rows = [ln.split() for ln in out.splitlines() if ln and not ln.startswith("#")]
     assert [r[0] for r in rows] == ["4096", "16384"], out

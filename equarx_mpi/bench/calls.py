@@ -24,16 +24,15 @@ difference of the x columns, so issue 29's bound (about 1 us on MPI's
 path, at any size) is judged on it.
 """
 import argparse
-import json
 import os
-import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
 from equarx_mpi import QuantizedComm, wrap
-from equarx_mpi.bench.common import arg_type, comma_list, human, mpi_library, node_cores, parse_size
+from equarx_mpi.bench import common
+from equarx_mpi.bench.common import arg_type, comma_list, human, parse_size
 
 PROG = "python -m equarx_mpi.bench calls"
 SIZES = "8,64,4K,64K,1M,16M,64M"
@@ -256,10 +255,7 @@ def run(a, comm=MPI.COMM_WORLD):
             "QuantizedComm": lambda: qc.last_call}
     spent = {"mpi": None, "wrap": lambda: w.stats.seconds,
              "QuantizedComm": lambda: qc.stats.seconds}
-    say = (lambda *s: print(*s, flush=True)) if rank == 0 else (lambda *s: None)
-    cores = node_cores(comm)[1]
-    say(f"# equarx_mpi per-call benchmark: {P} rank{'s' * (P != 1)} on {cores} core"
-        f"{'s' * (cores != 1)}, {mpi_library()}")
+    say, cores = common.announce(comm, "per-call benchmark")
     say(f"# Allreduce SUM, {dtype.name}, out of place, library defaults; per size and "
         f"method {a.repeat} batches of N calls, interleaved batch by batch")
     say(f"# targets (issue 20, on x_best): {targets_text()}; issue 29: own(us) <= "
@@ -277,19 +273,13 @@ def run(a, comm=MPI.COMM_WORLD):
     if rank == 0:
         footer(rows, P, say)
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"ranks": P, "cores": cores, "dtype": dtype.name,
-                           "mpi": mpi_library(), "argv": sys.argv[1:], "rows": rows},
-                          f, indent=1)
+            common.save_rows(a.json, P, cores, rows, dtype=dtype.name)
     return rows
 
 
 def main(argv=None):
     p = build_parser()
-    a = p.parse_args(argv)
-    err = _arg_error(a)
-    if err:
-        p.error(err)
+    a = common.parse_checked(p, argv, _arg_error)
     comm = MPI.COMM_WORLD
     err = comm.bcast(_json_error(a) if comm.Get_rank() == 0 else None)
     if err:             # on every rank alike: none waits in a collective

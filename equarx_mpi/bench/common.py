@@ -140,6 +140,37 @@ def node_cores(comm):
         local.Free()
 
 
+def announce(comm, what, extra=""):
+    """Print the benchmark's first line on rank 0 (what, the ranks, the
+    cores of their node, ``extra``, MPI's library); return ``say``, which
+    prints on rank 0 only, flushed line by line so that a newcomer sees each
+    line as it is made, and the cores.  Collective."""
+    say = (lambda *s: print(*s, flush=True)) if comm.Get_rank() == 0 else (lambda *s: None)
+    P, cores = comm.Get_size(), node_cores(comm)[1]
+    say(f"# equarx_mpi {what}: {P} rank{'s' * (P != 1)} on {cores} core{'s' * (cores != 1)}, "
+        f"{extra}{mpi_library()}")
+    return say, cores
+
+
+def parse_checked(parser, argv, check):
+    """parser's arguments from argv, or parser.error(why) (exit 2) when
+    check(arguments) says why they cannot run."""
+    a = parser.parse_args(argv)
+    err = check(a)
+    if err:
+        parser.error(err)
+    return a
+
+
+def save_rows(path, ranks, cores, rows, **about):
+    """Write a benchmark's rows as JSON, with the ranks, their cores,
+    ``about``, MPI's library and the command line."""
+    import json
+    with open(path, "w") as f:
+        json.dump({"ranks": ranks, "cores": cores, **about, "mpi": mpi_library(),
+                   "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+
+
 def run_command(prog, commands, default, argv=None):
     """``python -m PACKAGE [COMMAND] ARGS``, as ``python -m mpi4py.bench``:
     ``commands`` maps a name to (module, function, one line for --help).

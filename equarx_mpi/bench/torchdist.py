@@ -28,15 +28,14 @@ memory-bound sum has nothing to gain from fewer bytes); at 32 B
 (8 float32), equarx-exact at most 2x gloo's time (per call, one node).
 """
 import argparse
-import json
 import os
-import sys
 import time
 
 import numpy as np
 from mpi4py import MPI
 
-from equarx_mpi.bench.common import arg_type, comma_list, human, mpi_library, node_cores, parse_size
+from equarx_mpi.bench import common
+from equarx_mpi.bench.common import arg_type, comma_list, human, parse_size
 
 PROG = "python -m equarx_mpi.bench torch"
 SIZES = "32,4K,1M,16M"
@@ -183,10 +182,7 @@ def run(a, comm=MPI.COMM_WORLD):
     groups = {"equarx": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     qc = eqt.qcomm()
     calls = _methods(torch, dist, groups, eqt)
-    say = (lambda *s: print(*s, flush=True)) if rank == 0 else (lambda *s: None)
-    cores = node_cores(comm)[1]
-    say(f"# equarx_mpi torch.distributed benchmark: {P} rank{'s' * (P != 1)} on {cores} "
-        f"core{'s' * (cores != 1)}, torch {torch.__version__}, {mpi_library()}")
+    say, cores = common.announce(comm, "torch.distributed benchmark", f"torch {torch.__version__}, ")
     say(f"# all_reduce SUM, float32, {a.rounds} rounds per size, methods interleaved; "
         f"equarx with its defaults (profile: {qc.profile_source})")
     say(LEGEND)
@@ -200,19 +196,14 @@ def run(a, comm=MPI.COMM_WORLD):
     for line in verdicts(rows):
         say(line)
     if rank == 0 and a.json:
-        with open(a.json, "w") as f:
-            json.dump({"ranks": P, "cores": cores, "torch": torch.__version__,
-                       "mpi": mpi_library(), "argv": sys.argv[1:], "rows": rows}, f, indent=1)
+        common.save_rows(a.json, P, cores, rows, torch=torch.__version__)
     dist.destroy_process_group()
     return rows
 
 
 def main(argv=None):
     p = build_parser()
-    a = p.parse_args(argv)
-    err = _arg_error(a)
-    if err:
-        p.error(err)
+    a = common.parse_checked(p, argv, _arg_error)
     try:
         import torch  # noqa: F401
     except ImportError:

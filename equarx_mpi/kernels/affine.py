@@ -48,7 +48,6 @@ from equarx_mpi.kernels.common import (
 )
 
 _U = np.uint64
-CODE = 4                        # kernels/loops.py
 
 
 @njit(inline='always', **CACHE)
@@ -217,31 +216,36 @@ def _head(heads, codes, b, lo_i, m, levels, scratch):
     return heads[2 * b]
 
 
-loops.register(CODE, values=_acc_values, emit=emit, skip=_skip, decode=decode_block,
-               head=_head, value=loops.scratch_value)
+@njit(**HELPER)
+def _reduce(own, header, codes, b, lo, m, op, levels, scratch):
+    """loops.reduce_block with this format's steps, compiled once for both
+    reducing loops."""
+    return loops.reduce_block(_skip, _head, loops.scratch_value, own, header, codes, b, lo,
+                              m, op, levels, scratch)
 
 
 @njit(**KERNEL)
 def af_encode(src, heads, codes, block, levels, scratch, rmode):
     """(heads, codes) = Q(src); scratch holds 2 * block values."""
-    loops.encode(CODE, src, heads, codes, block, scratch, rmode, np.uint64(0), levels)
+    loops.encode(_acc_values, emit, src, heads, codes, block, scratch, rmode, np.uint64(0), levels)
 
 
 @njit(**KERNEL)
 def af_decode(heads, codes, out, block, levels, skipped):
     """loops.decode: out = D(heads, codes)."""
-    return loops.decode(CODE, heads, codes, out, block, levels, skipped)
+    return loops.decode(_skip, decode_block, heads, codes, out, block, levels, skipped)
 
 
 @njit(**KERNEL)
 def af_decode_reduce(own, heads, codes, out, block, levels, op, scratch, skipped):
     """loops.decode_reduce: out = own (op) D(heads, codes)."""
-    return loops.decode_reduce(CODE, own, heads, codes, out, block, op, levels, scratch, skipped)
+    return loops.decode_reduce(_reduce, own, heads, codes, out, block, op, levels, scratch, skipped)
 
 
 @njit(**KERNEL)
 def af_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, levels, op, scratch, rmode):
     """loops.decode_reduce_encode: (h_out, c_out) = Q(own (op) D(h_in,
     c_in)); scratch holds 2 * block values."""
-    loops.decode_reduce_encode(CODE, own, h_in, c_in, h_out, c_out, block, op, levels, scratch,
+    loops.decode_reduce_encode(_reduce, emit, own, h_in, c_in, h_out, c_out, block, op, levels,
+                               scratch,
                                rmode, np.uint64(0))

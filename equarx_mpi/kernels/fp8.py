@@ -25,13 +25,11 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from equarx_mpi.kernels import loops
+from equarx_mpi.kernels import common, loops
 from equarx_mpi.kernels.common import (
     CACHE,
     HELPER,
     KERNEL,
-    ROUND_NEAREST,
-    ROUND_UP,
     abs_bits,
     as_acc,
     f32_as_u32,
@@ -46,7 +44,6 @@ from equarx_mpi.kernels.common import (
 
 LARGEST = 448
 MAX_CODE = 0x7E
-CODE = 3                        # kernels/loops.py
 _U = np.uint64
 
 
@@ -144,7 +141,7 @@ def _directed(x, y, a, rmode):
     above (below) y, corrected once more if the decoded value still falls
     below (above) x.  +-448 decode to +-a, so the correction never leaves
     the finite codes."""
-    up = rmode == ROUND_UP
+    up = rmode == common.ROUND_UP
     c = e4m3_bits(y)
     v = value(a, c)
     if (v < y) if up else (v > y):
@@ -178,7 +175,7 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail)
     if not a < tiny:
         lift = as_acc(header, 1)
     r = as_acc(header, LARGEST) / (a * lift)
-    if rmode == ROUND_NEAREST:
+    if rmode == common.ROUND_NEAREST:
         for j in range(m):
             codes[_U(lo + j)] = e4m3_bits((vals[_U(off + j)] * lift) * r)
     else:
@@ -205,31 +202,37 @@ def _value(header, codes, a, i, j, scratch):
     return scaled(a, codes[i]) * a
 
 
-loops.register(CODE, values=loops.block_values, emit=emit, skip=loops.skip_magnitude,
-               decode=decode_block, head=_head, value=_value)
+@njit(**HELPER)
+def _reduce(own, header, codes, b, lo, m, op, levels, scratch):
+    """loops.reduce_block with this format's steps, compiled once for both
+    reducing loops."""
+    return loops.reduce_block(loops.skip_magnitude, _head, _value, own, header, codes, b, lo,
+                              m, op, levels, scratch)
 
 
 @njit(**KERNEL)
 def f8_encode(src, header, codes, block, scratch, rmode):
     """(header, codes) = Q(src)."""
-    loops.encode(CODE, src, header, codes, block, scratch, rmode, np.uint64(0), np.int64(0))
+    loops.encode(loops.block_values, emit, src, header, codes, block, scratch, rmode, np.uint64(0),
+                 np.int64(0))
 
 
 @njit(**KERNEL)
 def f8_decode(header, codes, out, block, skipped):
     """loops.decode: out = D(header, codes)."""
-    return loops.decode(CODE, header, codes, out, block, np.int64(0), skipped)
+    return loops.decode(loops.skip_magnitude, decode_block, header, codes, out, block, np.int64(0),
+                        skipped)
 
 
 @njit(**KERNEL)
 def f8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     """loops.decode_reduce: out = own (op) D(header, codes)."""
-    return loops.decode_reduce(CODE, own, header, codes, out, block, op, np.int64(0), scratch,
+    return loops.decode_reduce(_reduce, own, header, codes, out, block, op, np.int64(0), scratch,
                                skipped)
 
 
 @njit(**KERNEL)
 def f8_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode):
     """loops.decode_reduce_encode: (h_out, c_out) = Q(own (op) D(h_in, c_in))."""
-    loops.decode_reduce_encode(CODE, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
+    loops.decode_reduce_encode(_reduce, emit, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
                                scratch, rmode, np.uint64(0))

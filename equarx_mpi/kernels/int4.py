@@ -37,7 +37,6 @@ from equarx_mpi.kernels.common import (
 from equarx_mpi.kernels.stochastic import stochastic_code
 
 LEVELS = 7
-CODE = 2                        # kernels/loops.py
 _U = np.uint64
 
 
@@ -141,26 +140,33 @@ def _head(header, codes, b, lo, m, levels, scratch):
     return header[b]
 
 
-loops.register(CODE, values=loops.block_values, emit=emit, skip=loops.skip_magnitude,
-               decode=decode_block, head=_head, value=loops.scratch_value)
+@njit(**HELPER)
+def _reduce(own, header, codes, b, lo, m, op, levels, scratch):
+    """loops.reduce_block with this format's steps, compiled once for both
+    reducing loops."""
+    return loops.reduce_block(loops.skip_magnitude, _head, loops.scratch_value, own, header, codes,
+                              b, lo,
+                              m, op, levels, scratch)
 
 
 @njit(**KERNEL)
 def i4_encode(src, header, codes, block, scratch, rmode, stream=np.uint64(0)):
     """(header, codes) = Q(src); ``stream`` keys stochastic rounding."""
-    loops.encode(CODE, src, header, codes, block, scratch, rmode, stream, np.int64(0))
+    loops.encode(loops.block_values, emit, src, header, codes, block, scratch, rmode, stream,
+                 np.int64(0))
 
 
 @njit(**KERNEL)
 def i4_decode(header, codes, out, block, skipped):
     """loops.decode: out = D(header, codes)."""
-    return loops.decode(CODE, header, codes, out, block, np.int64(0), skipped)
+    return loops.decode(loops.skip_magnitude, decode_block, header, codes, out, block, np.int64(0),
+                        skipped)
 
 
 @njit(**KERNEL)
 def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     """loops.decode_reduce: out = own (op) D(header, codes)."""
-    return loops.decode_reduce(CODE, own, header, codes, out, block, op, np.int64(0), scratch,
+    return loops.decode_reduce(_reduce, own, header, codes, out, block, op, np.int64(0), scratch,
                                skipped)
 
 
@@ -168,5 +174,5 @@ def i4_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
 def i4_decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode,
                             stream=np.uint64(0)):
     """loops.decode_reduce_encode: (h_out, c_out) = Q(own (op) D(h_in, c_in))."""
-    loops.decode_reduce_encode(CODE, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
+    loops.decode_reduce_encode(_reduce, emit, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
                                scratch, rmode, stream)

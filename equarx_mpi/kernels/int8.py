@@ -62,8 +62,6 @@ from equarx_mpi.kernels.common import (
 from equarx_mpi.kernels.stochastic import stochastic_code
 
 LEVELS = 127
-#: the format's code in kernels/loops.py
-CODE = 1
 _U = np.uint64
 #: the stream of a call without stochastic rounding (any uint64: unused)
 _NO_STREAM = np.uint64(0)
@@ -179,7 +177,8 @@ def _mode(rmode):
 
 @njit(**KERNEL)
 def _encode(src, header, codes, block, scratch, rmode, stream):
-    loops.encode(CODE, src, header, codes, block, scratch, rmode, stream, np.int64(0))
+    loops.encode(loops.block_values, emit, src, header, codes, block, scratch, rmode, stream,
+                 np.int64(0))
 
 
 def i8_encode(src, header, codes, block, scratch, rmode, stream=_NO_STREAM):
@@ -206,27 +205,32 @@ def value(header, codes, a, i, j, scratch):
     return (as_acc(header, codes[i]) * (as_acc(header, 1) / as_acc(header, LEVELS))) * a
 
 
-loops.register(CODE, values=loops.block_values, emit=emit, skip=loops.skip_magnitude,
-               decode=decode_block, head=head, value=value)
+@njit(**HELPER)
+def _reduce(own, header, codes, b, lo, m, op, levels, scratch):
+    """loops.reduce_block with this format's steps, compiled once for both
+    reducing loops."""
+    return loops.reduce_block(loops.skip_magnitude, head, value, own, header, codes, b, lo,
+                              m, op, levels, scratch)
 
 
 @njit(**KERNEL)
 def i8_decode(header, codes, out, block, skipped):
     """out = D(header, codes); flagged blocks are skipped.  Returns their
     number; their indices are in skipped[:number]."""
-    return loops.decode(CODE, header, codes, out, block, np.int64(0), skipped)
+    return loops.decode(loops.skip_magnitude, decode_block, header, codes, out, block, np.int64(0),
+                        skipped)
 
 
 @njit(**KERNEL)
 def i8_decode_reduce(own, header, codes, out, block, op, scratch, skipped):
     """loops.decode_reduce: out = own (op) D(header, codes)."""
-    return loops.decode_reduce(CODE, own, header, codes, out, block, op, np.int64(0), scratch,
+    return loops.decode_reduce(_reduce, own, header, codes, out, block, op, np.int64(0), scratch,
                                skipped)
 
 
 @njit(**KERNEL)
 def _decode_reduce_encode(own, h_in, c_in, h_out, c_out, block, op, scratch, rmode, stream):
-    loops.decode_reduce_encode(CODE, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
+    loops.decode_reduce_encode(_reduce, emit, own, h_in, c_in, h_out, c_out, block, op, np.int64(0),
                                scratch, rmode, stream)
 
 

@@ -41,10 +41,23 @@ def default_path(key=None):
     return os.path.join(base, "equarx_mpi", f"profile-{key or host_key()}.json")
 
 
+#: the built-in profile, written by ``python -m equarx_mpi.tune builtin``
+BUILTIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "builtin.json")
+
+
 def builtin():
-    """The profile measured on the project's own machine (docs/TUNING.md)."""
-    from equarx_mpi.model.builtin import PROFILE
-    return _copy.deepcopy(PROFILE)
+    """The profile measured on the project's own machine (docs/TUNING.md);
+    its "generated" entry (the command and the measured profiles' machines)
+    is left out."""
+    global _BUILTIN
+    if _BUILTIN is None:
+        with open(BUILTIN) as f:
+            _BUILTIN = json.load(f)
+        _BUILTIN.pop("generated", None)
+    return _copy.deepcopy(_BUILTIN)
+
+
+_BUILTIN = None
 
 
 def check(p):
