@@ -1,11 +1,11 @@
 """The "equarx" process group: torch.distributed's collectives over MPI.
 
-A Python subclass of torch's ProcessGroup: torch routes a method through
-a device's Backend only when Python does not override it, so every method
-a caller may reach (DDP's reducer through the pybind trampoline too) is
-defined here.  torch's C++ Backend has no Python constructor: the
-creator given to ``Backend.register_backend`` returns the group itself
-(as torch's own threaded test group and torchft's groups do).
+A Python subclass of torch's ProcessGroup: torch routes a method through a
+device's Backend only when Python does not override it, so every method a
+caller may reach (DDP's reducer through the pybind trampoline too) is
+defined here.  torch's C++ Backend has no Python constructor: the creator
+given to ``Backend.register_backend`` returns the group itself (as torch's
+own threaded test group and torchft's groups do).
 
 Every collective checks its tensors where it is called, then, in the
 thread that runs it (work.py: the caller's for a call waited at once, the
@@ -15,7 +15,6 @@ runs.  all_reduce and reduce_scatter go through the group's QuantizedComm,
 the rest is MPI's own (calls.py).  Point-to-point calls are MPI's
 nonblocking ones, checked locally (one rank's error is its own).
 """
-
 import math
 import time
 
@@ -75,21 +74,20 @@ class ProcessGroupEquarx(dist.ProcessGroup):
     def __repr__(self):
         return f"ProcessGroupEquarx(rank={self.rank()}, size={self._size})"
 
-    # torch keeps a group's name in its Backends, and this group has none:
-    # the name lives here (functional collectives and DeviceMesh look it up)
+    # its name: torch keeps one in Backends, which this group has none of (DeviceMesh looks)
     _name = None
 
     def _set_group_name(self, name):
         self._name = name
 
     @property
-    def group_name(self):
+    def group_name(self) -> str:
         if self._name is None:
             raise RuntimeError("equarx: this process group has no name yet")
         return self._name
 
     @property
-    def qcomm(self):
+    def qcomm(self) -> GroupComm:
         """The QuantizedComm behind all_reduce and reduce_scatter."""
         self._usable()
         return self._qc
@@ -106,12 +104,12 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         return EXACT_DEPTH[0] > 0 or self.exact_depth > 0
 
     def _call(self, opts, what, meta, err, fn, result, counts=None, qc=None):
-        """Agree on the call (``meta``: (name, value) pairs, the local error ``err``; ``counts``:
-        the elements (sent, expected) to and from each rank), then fn(): now,
-        or queued if the caller waits later; a Work.  ``qc``: fn's calls of
-        this GroupComm agree for it (once each, its fields after ``meta``).
-        With the option check=False, as MPI itself: a local error is raised
-        here only, and calls that differ between ranks are not caught."""
+        """Agree on the call (``meta``: (name, value) pairs, the local error
+        ``err``; ``counts``: the elements (sent, expected) to and from each
+        rank), then fn(): now, or queued if the caller waits later; a Work.
+        ``qc``: fn's calls of this GroupComm agree for it (once each, its
+        fields after ``meta``).  With check=False, as MPI itself: a local
+        error is raised here only; calls differing between ranks are not caught."""
         self._usable()
         if not self._qc.options["check"]:
             if err is not None:
@@ -120,10 +118,9 @@ class ProcessGroupEquarx(dist.ProcessGroup):
 
         def agreed_then_run():
             self._usable()
-            # a deadline even without a limit: the agreement is then
-            # nonblocking, as it must be in the queue's thread (call/agree.py)
-            deadline = math.inf if self._timeout is None else \
-                time.monotonic() + self._timeout.total_seconds()
+            # a deadline even without a limit: the agreement is then nonblocking (call/agree.py)
+            deadline = (time.monotonic() + self._timeout.total_seconds() if self._timeout
+                        else math.inf)
 
             def through(more, e=None, most=None):
                 return agree(self._ctl, what, meta + more, err or e, most, deadline, _KINDS)
@@ -153,7 +150,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._exec.run(fn)
         return Work(result)
 
-    def set_options(self, **options):
+    def set_options(self, **options: object) -> dict:
         """Collective: a new QuantizedComm with these options updated."""
         self._usable()
         merged = dict(self._options, **options)
@@ -163,7 +160,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
         self._qc, self._options = qc, merged
         return qc.options
 
-    def shutdown(self):
+    def shutdown(self) -> None:
         """Finish queued calls and free the communicators
         (destroy_process_group).  Never waits for the other ranks: their
         shared-memory windows are freed collectively, so ranks that destroy
@@ -186,7 +183,7 @@ class ProcessGroupEquarx(dist.ProcessGroup):
                 c.Free()
         free_soon(free, self._exec.threaded)
 
-    def abort(self):
+    def abort(self) -> None:
         """End the group now, waiting for nothing: calls queued and not yet
         run fail, and nothing is freed (a running call may still use it)."""
         if self._qc is not None:

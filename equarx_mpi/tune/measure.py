@@ -36,8 +36,9 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 #: the quantized schedules over all ranks tune times: rabenseifner where
 #: this version has it (without a measurement the model corrects it as
 #: the ring, costmodel.CORRECTED_LIKE)
-SCHEDULES = ("ring", "two_shot") + (
-    ("rabenseifner",) if "rabenseifner" in options.ALGORITHMS else ())
+#: the schedules measured between ranks (the node-aware one is composed of them)
+SCHEDULES = tuple(a for a in options.ALGORITHMS if a not in ("auto", "shm", "mpi",
+                                                              "hierarchical"))
 METHODS_ONE_NODE = ("mpi", "shm") + SCHEDULES
 METHODS_NETWORK = ("mpi",) + SCHEDULES
 

@@ -21,10 +21,10 @@ from equarx_mpi.names import Layout, between_nodes
 from equarx_mpi.wire import formats
 from equarx_mpi.wire.formats import default_block
 
-LOSSY = ("ring", "two_shot", "rabenseifner", "hierarchical")
-#: the wires ``predict`` shows by default: every block wire (fp32 on the
-#: wire saves nothing)
-WIRES = ("int8", "int4", "fp8", "int8-affine", "int4-affine", "bf16")
+#: the quantized schedules, as options lists them (collectives/registry.py)
+LOSSY = tuple(a for a in options.ALGORITHMS if a not in ("auto", "shm", "mpi"))
+#: the wires ``predict`` shows by default: every wire but fp32 (which saves nothing)
+WIRES = tuple(w for w in formats.WIRES if w != "fp32")
 
 
 def _profile(path):
