@@ -163,7 +163,7 @@ def _threads_main(args):
 
 def bench_rotate(n, size, repeat, clock=time.thread_time):
     """{name: (ns per value, its median ratio to the copy's)} for rotate,
-    unrotate (float32, in place) and numpy's copyto, taking turns."""
+    unrotate (float32, out of place) and numpy's copyto, taking turns."""
     from equarx_mpi.kernels import rotate as R
     x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
     y, z = np.empty_like(x), np.empty_like(x)
@@ -219,6 +219,8 @@ def main(argv=None):
                     help="time the rotation at these sizes instead (powers of two, 2..4096)")
     args = ap.parse_args(argv)
     if args.rotate:
+        if any(not 2 <= s <= 4096 or s & (s - 1) for s in args.rotate):
+            ap.error(f"--rotate {args.rotate}: powers of two from 2 to 4096")
         return _rotate_main(args)
     if args.block < 1 or args.repeat < 1 or min(args.count) < 1:
         ap.error("--count, --block and --repeat must be positive")
