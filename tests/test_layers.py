@@ -25,6 +25,8 @@ INTERNAL = {
     "equarx_mpi.names": "the shared vocabulary: dtypes, kernel op and rounding codes, Layout",
     "equarx_mpi.threads": "bench app counts cores and threads per rank as the library does",
     "equarx_mpi.kernels": "bench kernels times the kernels alone",
+    "equarx_mpi.kernels.rotate": "bench quality rotates before it quantizes; bench kernels "
+                                 "--rotate times it",
     "equarx_mpi.kernels.shm": "bench shm times the shared window's kernels alone",
     "equarx_mpi.wire.formats": "bench kernels and tune time each wire format's operations",
     "equarx_mpi.wire.threaded": "bench kernels times a format split over threads",

@@ -197,7 +197,7 @@ def _help(capsys, main, argv):
 def test_bench_commands_have_their_own_help(capsys):
     from equarx_mpi.bench.__main__ import COMMANDS, main
     assert list(COMMANDS) == ["allreduce", "shm", "tolerance", "calls", "torch", "app",
-                             "kernels", "coldstart"]
+                             "kernels", "quality", "coldstart"]
     top = _help(capsys, main, ["--help"])
     assert top.startswith("usage: mpirun -n P python -m equarx_mpi.bench [allreduce]")
     assert all(f"\n  {name} " in top for name in COMMANDS)
@@ -205,7 +205,7 @@ def test_bench_commands_have_their_own_help(capsys):
     torch_help = _help(capsys, main, ["torch", "--help"])      # under mpirun, as calls
     assert torch_help.startswith("usage: mpirun -n P python -m equarx_mpi.bench torch ")
     assert "gloo-bf16" in torch_help and "equarx-exact" in torch_help
-    for name in ("shm", "tolerance", "kernels"):
+    for name in ("shm", "tolerance", "kernels", "quality"):
         text = _help(capsys, main, [name, "--help"])
         assert text.startswith(f"usage: python -m equarx_mpi.bench {name} "), text[:80]
         assert f"python -m equarx_mpi.bench {name}" in text.split("\n\n", 1)[1], name
@@ -294,7 +294,8 @@ def test_tune_predict_never_initializes_mpi():
 
 def test_serial_helps_never_initialize_mpi():
     for argv in (("tune", "--help"), ("tune", "check", "--help"),
-                 ("bench", "kernels", "--help"), ("cluster", "--help")):
+                 ("bench", "kernels", "--help"), ("bench", "quality", "--help"),
+                 ("cluster", "--help")):
         assert "usage: " in no_mpi(*argv), argv
 
 

@@ -42,6 +42,9 @@ COMMANDS = {
             "against the same call on idle cores, under mpirun"),
     "kernels": ("equarx_mpi.bench.kernels", "main",
                 "numba's int8 kernels against the C reference in native/, one process"),
+    "quality": ("equarx_mpi.bench.quality", "main",
+                "error against bytes per value of every block wire, with and without\n"
+                "a Hadamard rotation, on Gaussian, heavy-tailed and MiniLM data, one process"),
     "coldstart": ("equarx_mpi.bench.coldstart", "main",
                   "with numba's cache empty: the first quantized call at 2 ranks (it\n"
                   "launches mpirun) and python -m equarx_mpi.warmup, against the targets"),

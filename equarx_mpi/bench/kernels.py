@@ -16,6 +16,11 @@ at 1 and T threads (option ``threads``, wire/threaded.py), wall time, in
 turns: the rate at T over the rate at 1 is the speedup a rank gets from
 T cores.
 
+``--rotate S,S`` times instead the rotation (kernels/rotate.py: rotate
+and unrotate, float32, one core) at those sizes against numpy's copyto of
+the same array, in ns per value (median of ``repeat`` turns; the three
+take turns).
+
 ``--isa avx2`` measures both sides as compiled for a plain AVX2 machine on
 this one: C built with ``-O3 -march=haswell`` into its own library, numba in
 a child process with NUMBA_CPU_NAME=haswell (and the haswell features only).
@@ -29,6 +34,7 @@ import time
 import numpy as np
 
 from equarx_mpi import kernels as K
+from equarx_mpi.bench.common import arg_type, comma_list
 from equarx_mpi.bench.native import ISAS, NATIVE_DIR, Native  # noqa: F401 (Native: tests/test_formats.py)
 from equarx_mpi.model.profiles import cpu_model
 
@@ -155,6 +161,34 @@ def _threads_main(args):
     return 0
 
 
+def bench_rotate(n, size, repeat, clock=time.thread_time):
+    """{name: (ns per value, its median ratio to the copy's)} for rotate,
+    unrotate (float32, out of place) and numpy's copyto, taking turns."""
+    from equarx_mpi.kernels import rotate as R
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    y, z = np.empty_like(x), np.empty_like(x)
+    R.rotate(x, y, size, 1, 2)
+    fns = [lambda: R.rotate(x, y, size, 1, 2), lambda: R.unrotate(y, z, size, 1, 2),
+           lambda: np.copyto(z, x)]
+    rates = [np.array(r) for r in _rates(fns, 4 * n, repeat, clock)]
+    return {name: (float(np.median(4 / r)), float(np.median(rates[2] / r)))
+            for name, r in zip(("rotate", "unrotate", "copy"), rates)}
+
+
+def _rotate_main(args):
+    print(f"# the rotation, float32, one core, {args.clock} time; median of {args.repeat} "
+          "turns (rotate, unrotate, copy in turn)")
+    print(f"# {cpu_model()}; numba for {_numba_target()}; load average "
+          f"{os.getloadavg()[0]:.2f} at the start")
+    print(f"# {'kernel':<10}{'size':>6}{'count':>10}{'ns/value':>10}{'x copy':>8}")
+    for n in args.count:
+        for size in args.rotate:
+            for name, (ns, ratio) in bench_rotate(n, size, args.repeat, CLOCKS[args.clock]).items():
+                print(f"  {name:<10}{size:>6}{n:>10}{ns:>10.3f}{ratio:>8.2f}", flush=True)
+    print(f"# load average {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
 def _numba_target():
     import llvmlite.binding as ll
     from numba.core import config
@@ -181,7 +215,13 @@ def main(argv=None):
                          "compiled for a plain AVX2 (haswell) CPU")
     ap.add_argument("--threads", type=int, default=0,
                     help="measure every wire at 1 and this many threads instead")
+    ap.add_argument("--rotate", type=arg_type(comma_list(int)), default=None, metavar="S,S",
+                    help="time the rotation at these sizes instead (powers of two, 2..4096)")
     args = ap.parse_args(argv)
+    if args.rotate:
+        if any(not 2 <= s <= 4096 or s & (s - 1) for s in args.rotate):
+            ap.error(f"--rotate {args.rotate}: powers of two from 2 to 4096")
+        return _rotate_main(args)
     if args.block < 1 or args.repeat < 1 or min(args.count) < 1:
         ap.error("--count, --block and --repeat must be positive")
     if args.threads:
