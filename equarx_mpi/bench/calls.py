@@ -260,14 +260,9 @@ def run(a, comm=MPI.COMM_WORLD):
         f"method {a.repeat} batches of N calls, interleaved batch by batch")
     say(f"# targets (issue 20, on x_best): {targets_text()}; issue 29: own(us) <= "
         f"{OWN_US:g} on MPI's path elsewhere")
-    say(LEGEND)
-    say("#" + " ".join(f"{name:>{wd}}" for name, wd in COLUMNS)[1:])
-    rows = []
-    for nbytes in a.sizes:
-        got = _one_size(comm, calls, last, spent, nbytes, dtype, a)
-        for r in got:
-            say(format_row(r))
-        rows += got
+    rows = common.table(say, LEGEND, COLUMNS, a.sizes,
+                        lambda nbytes: _one_size(comm, calls, last, spent, nbytes, dtype, a),
+                        format_row)
     w.free()
     qc.free()
     if rank == 0:

@@ -162,6 +162,20 @@ def parse_checked(parser, argv, check):
     return a
 
 
+def table(say, legend, columns, sizes, one_size, format_row):
+    """Say the legend and the column heads ((name, width) pairs), then the
+    rows of one_size(nbytes) for each size as they come; returns them all."""
+    say(legend)
+    say("#" + " ".join(f"{name:>{w}}" for name, w in columns)[1:])
+    rows = []
+    for nbytes in sizes:
+        got = one_size(nbytes)
+        for r in got:
+            say(format_row(r))
+        rows += got
+    return rows
+
+
 def save_rows(path, ranks, cores, rows, **about):
     """Write a benchmark's rows as JSON, with the ranks, their cores,
     ``about``, MPI's library and the command line."""

@@ -185,14 +185,9 @@ def run(a, comm=MPI.COMM_WORLD):
     say, cores = common.announce(comm, "torch.distributed benchmark", f"torch {torch.__version__}, ")
     say(f"# all_reduce SUM, float32, {a.rounds} rounds per size, methods interleaved; "
         f"equarx with its defaults (profile: {qc.profile_source})")
-    say(LEGEND)
-    say("#" + " ".join(f"{name:>{w}}" for name, w in COLUMNS)[1:])
-    rows = []
-    for nbytes in a.sizes:
-        got = _one_size(comm, torch, calls, methods, qc, nbytes, a.rounds)
-        for r in got:
-            say(format_row(r))
-        rows += got
+    rows = common.table(say, LEGEND, COLUMNS, a.sizes,
+                        lambda nbytes: _one_size(comm, torch, calls, methods, qc, nbytes,
+                                                 a.rounds), format_row)
     for line in verdicts(rows):
         say(line)
     if rank == 0 and a.json:
