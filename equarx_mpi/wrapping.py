@@ -302,8 +302,9 @@ class _Wrapped:
 
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         qc = self._eq_qc or self._equarx()
-        if qc._repeat(sendbuf, recvbuf, op, self._mpi_allreduce):
-            return
+        p = qc._plan(sendbuf, recvbuf, op)
+        if p is not None:
+            return qc._repeat(p, sendbuf, recvbuf, op, self._mpi_allreduce)
         c = self._blocking("Allreduce", sendbuf, recvbuf, op,   # the first of its kind
                            lambda s: super(_Wrapped, self).Allreduce(s, recvbuf, op))
         if c is not None:

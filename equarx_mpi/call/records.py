@@ -61,7 +61,7 @@ class Ledger:
 
     def __init__(self, P, log):
         self.P, self.log = P, log
-        self._last = None          # a CallInfo, or the Plan a call ran
+        self.latest = None          # a CallInfo, or the Plan a call ran (comm._repeat)
         self._blocks = None        # a bound.Record, or an exact call's (n, its one bound)
         self._totals = [0, 0, 0, 0, 0.0]      # Stats' fields, summed
         self._lock = threading.Lock()
@@ -87,13 +87,6 @@ class Ledger:
         if p is not None:
             self._recent = (key, p)
         return p
-
-    def ran(self, p, seconds):
-        """Plan p ran once, in ``seconds``: its tally, and the last call."""
-        p.last = seconds
-        p.calls += 1
-        p.seconds += seconds
-        self._last = p
 
     def keep(self, key, plan):
         if self.log == "all":           # each call logged: no call skips the record
@@ -127,14 +120,14 @@ class Ledger:
 
     @property
     def last(self):
-        got = self._last
+        got = self.latest
         if type(got) is not CallInfo and got is not None:     # a Plan: made when asked for
             got = got.info._replace(seconds=got.last)
         return got
 
     @property
     def blocks(self):
-        got = self._last
+        got = self.latest
         return self._blocks if type(got) is CallInfo or got is None else got.blocks
 
     def note(self, c, info, rec=None):
@@ -150,7 +143,7 @@ class Ledger:
             t[2] += info.bytes_sent
             t[3] += uncompressed_bytes(c.what, c.nbytes, self.P)
             t[4] += info.seconds
-            self._last, self._blocks = info, rec
+            self.latest, self._blocks = info, rec
         if self.log == "all":
             self._write(info, "?" if c.recv is OPAQUE else f"{c.nbytes} B {c.recv.dtype.name}",
                         c.name)

@@ -74,16 +74,11 @@ class OrderedQueue:
     def __init__(self, name, at_exit=None):
         self._cv = threading.Condition()
         self._queue = collections.deque()
-        self._pending = 0                 # queued or running
+        self.pending = 0                 # queued or running
         self._thread = None
         self._name, self._at_exit = name, at_exit
         self.closed = False
         self.threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-    @property
-    def idle(self):
-        """Nothing queued or running."""
-        return not self._pending
 
     def in_thread(self):
         return self._thread is not None and threading.current_thread() is self._thread
@@ -106,7 +101,7 @@ class OrderedQueue:
                 if self._at_exit is not None:
                     self._at_exit()
             self._queue.append((fn, done))
-            self._pending += 1
+            self.pending += 1
             self._cv.notify_all()
 
     def after(self, fn, done):
@@ -114,16 +109,16 @@ class OrderedQueue:
         (done is then not called: fn's exception is the caller's), else as
         ``submit``."""
         with self._cv:
-            if self._pending:
+            if self.pending:
                 self._queue.append((fn, done))
-                self._pending += 1
+                self.pending += 1
                 self._cv.notify_all()
                 return
         fn()
 
     def drain(self):
         with self._cv:
-            while self._pending:
+            while self.pending:
                 self._cv.wait()
 
     def close(self):
@@ -150,7 +145,7 @@ class OrderedQueue:
             # one's buffers alive (numpy's resize() refuses referenced arrays)
             item = None
             with self._cv:
-                self._pending -= 1
+                self.pending -= 1
                 self._cv.notify_all()
 
 
