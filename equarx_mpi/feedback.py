@@ -72,6 +72,8 @@ class ErrorFeedback:
         self._count = self._dtype = None
         self._gain = self._next = self._adj = self._tmp = None
         self._flagged: list[tuple[int, int]] = []
+        #: the rotation (collectives/rotation.py) the residual is kept in, or None
+        self._rotation = None
 
     @property
     def residual(self) -> Optional[np.ndarray]:
@@ -81,6 +83,8 @@ class ErrorFeedback:
         if self._gain is None:
             return None
         v = -self._gain
+        if self._rotation is not None:        # in the caller's values
+            self._rotation.backward(v.copy(), v)
         v.flags.writeable = False
         return v
 
@@ -99,17 +103,48 @@ class ErrorFeedback:
                 f"max |residual| {float(np.max(np.abs(self._gain), initial=0)):.3g})")
 
     # --- used by QuantizedComm ---------------------------------------------------
+    def into(self, rotation):
+        """Keep the residual in ``rotation``'s values (a rotated call's), or
+        the caller's (None): it is turned only when the path changes."""
+        same = (rotation is None) == (self._rotation is None) and (
+            rotation is None or (rotation.size, rotation.seed) == (self._rotation.size,
+                                                                   self._rotation.seed))
+        if same:
+            return
+        if self._gain is not None:
+            g = self._gain.copy()
+            if self._rotation is not None:
+                self._rotation.backward(g, self._gain)
+            if rotation is not None:
+                rotation.forward(self._gain.copy(), self._gain)
+        self._rotation = rotation
+
+    def _sized(self, n, dt):
+        if self._gain is None:
+            acc = acc_dtype(dt)
+            self._count, self._dtype = n, dt
+            self._gain = np.zeros(n, acc)
+            self._next = np.empty(n, acc)
+            self._adj = np.empty(n, dt)
+
+    def begin_rotated(self, y, dtype):
+        """A rotated call's input (collectives/rotation.py): y, this rank's
+        values rotated (accumulation type), plus the residual, in place;
+        returns a bound on how far y moved."""
+        self._sized(y.size, dtype)
+        with np.errstate(over="ignore", invalid="ignore"):   # such blocks go exact
+            np.subtract(y, self._gain, out=y)
+        self._next.fill(0)
+        self._flagged = []
+        return float(np.max(np.abs(self._gain), initial=0.0)) * (1 + 2.0 ** -20)
+
     def begin(self, own):
         """The input of this call: own (the caller's flat values) plus the
         residual, rounded to own's type; the next residual starts as what
         that rounding lost; a value that is Inf or NaN here carries nothing."""
         n, dt = own.size, own.dtype
         acc = acc_dtype(dt)
-        if self._gain is None:
-            self._count, self._dtype = n, dt
-            self._gain = np.zeros(n, acc)
-            self._next = np.empty(n, acc)
-            self._adj = np.empty(n, dt)
+        self._sized(n, dt)
         adj, nxt, gain = self._adj, self._next, self._gain
         with np.errstate(over="ignore", invalid="ignore"):     # mended below
             if dt == acc:
@@ -148,11 +183,12 @@ class ErrorFeedback:
             self._tmp = np.empty((2, self._count), self._gain.dtype)
         return _Losses(fmt, self, own, out)
 
-    def end(self, result):
-        """After the call (``result``: its flat output): flagged blocks, and
-        values whose result is Inf or NaN (an exact path's sum that
-        overflowed), carry nothing on; the new residual becomes current."""
-        for lo, hi in self._flagged:
+    def end(self, result, exact=()):
+        """After the call (``result``: its flat output): flagged blocks, the
+        ranges ``exact`` (reduced exactly), and values whose result is Inf
+        or NaN (an exact path's sum that overflowed), carry nothing on; the
+        new residual becomes current."""
+        for lo, hi in list(self._flagged) + list(exact):
             self._next[lo:hi] = 0
         self._next[~np.isfinite(result)] = 0
         self._gain, self._next = self._next, self._gain

@@ -42,6 +42,10 @@ class Runner:
         fb = c.feedback
         if fb is None:
             return self._run(c)
+        rotated = c.quantize and self.engine.rotates(c.name)
+        fb.into(self.engine.rotation if rotated else None)
+        if rotated:                 # the engine adds the residual to the rotated input
+            return self._run(c)
         # the residual joins the input (not in place any more: the caller's
         # values stay as they are until the result lands in recv); the bound
         # still holds against the caller's values: each rank's input moved
@@ -66,8 +70,10 @@ class Runner:
         return self._record(c, self.info(c, fixed, sent, time.perf_counter() - t0, err), rec)
 
     def info(self, c, fixed, sent, seconds, err):
+        rotated = c.quantize and self.engine.rotates(c.name)
         return CallInfo(c.what, c.method, self.wire if c.quantize else None, c.reason, fixed,
-                        sent, seconds, math.inf if err is None else err)
+                        sent, seconds, math.inf if err is None else err,
+                        self.engine.rotation.size if rotated else 0)
 
     # --- the runners, one per method: (values fixed up, bound, bound.Record) -----
     def _exact_bound(self, c, e_own):

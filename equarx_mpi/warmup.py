@@ -70,6 +70,7 @@ def warmup(verbose=False, part=0, parts=1):
     seconds, compiled (kernel signatures compiled now), loaded (found in
     the cache), cache (folders)."""
     from equarx_mpi.bounds import bound
+    from equarx_mpi.collectives import rotation
     from equarx_mpi.collectives.engine import warm
     from equarx_mpi.names import QUANTIZED_DTYPES, kernel_view
     from equarx_mpi.wire import formats
@@ -78,6 +79,8 @@ def warmup(verbose=False, part=0, parts=1):
     hits0, misses0 = _counts(ds)
     if part == 0:
         bound.warm(bound.ROUNDING)
+        for acc in (np.float32, np.float64):
+            rotation.warm(np.dtype(acc))
     pairs = [(wire, dt) for wire in formats.WIRES + (formats.MODE_WIRE,)
              for dt in QUANTIZED_DTYPES]
     for wire, dt in pairs[part::parts]:

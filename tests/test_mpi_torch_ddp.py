@@ -175,12 +175,12 @@ def hooked(gloo, state, *modules):
     return ddps
 
 
-def drift(gloo, feedback, steps=8):
+def drift(gloo, feedback, steps=8, **extra):
     """Constant's drift after ``steps`` steps through the int8 hook, how
     far w is from exact w + the mean of the ranks' residuals, and the
     state's residual of its parameter (None without feedback)."""
     m = Constant(4096)
-    with eqt.HookState(feedback=feedback, **INT8) as state:
+    with eqt.HookState(feedback=feedback, **dict(INT8, **extra)) as state:
         sgd(hooked(gloo, state, m), steps)
         residual = state.residual(m.w[0])
     # the results telescope: the sum of the steps' averages is the mean
@@ -191,9 +191,14 @@ def drift(gloo, feedback, steps=8):
     return m.drift(steps), telescoped, residual
 
 
-def test_hook_error_feedback(gloo):
-    without, _, none = drift(gloo, False)
-    with_fb, telescoped, residual = drift(gloo, True)
+#: the hook's wires with feedback: int8, and int4 rotated (its residual kept rotated)
+WITH_FEEDBACK = [{}, dict(wire="int4", rotate=True)]
+
+
+@pytest.mark.parametrize("extra", WITH_FEEDBACK, ids=["int8", "int4-rotate"])
+def test_hook_error_feedback(gloo, extra):
+    without, _, none = drift(gloo, False, **extra)
+    with_fb, telescoped, residual = drift(gloo, True, **extra)
     everywhere(none is None and residual is not None and residual.shape == (4096,),
                "a residual of the parameter's shape, only with feedback")
     everywhere(telescoped <= 1e-4, f"w = exact w + mean residual, to rounding: {telescoped:.3g}")
@@ -205,7 +210,8 @@ def test_hook_error_feedback(gloo):
         everywhere(with_fb <= 1e-5 and without <= 1e-5, "one rank: a copy, no drift")
 
 
-def test_hook_feedback_follows_rebuilt_buckets(gloo):
+@pytest.mark.parametrize("extra", WITH_FEEDBACK, ids=["int8", "int4-rotate"])
+def test_hook_feedback_follows_rebuilt_buckets(gloo, extra):
     """DDP rebuilds its buckets after step 0: the one bucket [a, b] as
     [b, a] (the same size), and with small buckets [a, b, c] as [c] and
     [b, a].  Each residual must move with its parameter, nothing lost:
@@ -216,7 +222,7 @@ def test_hook_feedback_follows_rebuilt_buckets(gloo):
     for sizes, cap in (((3000, 1000), 25), ((500, 300, 700), 0.0024)):
         m = Constant(*sizes)
         layouts = []
-        with eqt.HookState(feedback=True, **INT8) as state:
+        with eqt.HookState(feedback=True, **dict(INT8, **extra)) as state:
             d = DDP(m, process_group=gloo, bucket_cap_mb=cap)
 
             def hook(state, bucket):

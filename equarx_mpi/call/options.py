@@ -50,6 +50,7 @@ DEFAULTS = dict(
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
     rounding="nearest",     # of SUM's codes; "stochastic": unbiased, keyed by seed
     seed=0,
+    rotate=False,           # True: a randomized Hadamard rotation per block; or its size
     abs_tol=None,           # the error-bounded mode (tolerance.py): at most one of the two
     rel_tol=None,
 )
@@ -90,7 +91,9 @@ def _parse_env(name, text):
         return float(t)
     if name == "check" and t.lower() == "all":
         return "all"
-    if name in ("check", "lossy_allgather", "exact_bounds"):
+    if name == "rotate" and t.isdigit() and int(t) > 1:
+        return int(t)
+    if name in ("check", "lossy_allgather", "exact_bounds", "rotate"):
         if t.lower() in ("1", "true", "yes", "on"):
             return True
         if t.lower() in ("0", "false", "no", "off"):
@@ -144,6 +147,8 @@ def resolve(given):
                                          for o in opts["lossy_ops"])))
     check(opts)
     opts["seed"] = int(opts["seed"])
+    if isinstance(opts["rotate"], np.bool_):
+        opts["rotate"] = bool(opts["rotate"])
     opts["lossy_margin"] = float(opts["lossy_margin"])
     return opts
 
@@ -188,6 +193,23 @@ def _check_tolerance(o):
     if o["rounding"] != "nearest" or o["accuracy"] not in (None, "exact"):
         raise ValueError(f"{tols[0]}= picks the rounding and the error itself: leave "
                          f"rounding and accuracy unset")
+
+
+def _check_rotate(o, block):
+    r = o["rotate"]
+    if r is False or r is True or isinstance(r, np.bool_):
+        if not r:
+            return
+    elif not _is_int(r) or r < 2 or r > block or r & (r - 1):
+        raise ValueError(f"rotate must be False, True (the block's size) or a power of two "
+                         f"from 2 to block_size {block}, not {r!r}")
+    if o["wire"] not in formats.ROTATE_WIRES:
+        raise ValueError(f"rotate= works with the block wires {formats.ROTATE_WIRES}, not "
+                         f"{o['wire']!r}" + (" (set abs_tol/rel_tol or rotate, not both)"
+                                             if o["wire"] == formats.MODE_WIRE else ""))
+    if set(o["lossy_ops"]) - {"sum"}:
+        raise ValueError(f"rotate= rotates sums (a rotation does not commute with MAX or "
+                         f"MIN): lossy_ops must be ('sum',), not {o['lossy_ops']}")
 
 
 def _is_int(x):
@@ -241,6 +263,7 @@ def check(o):
                          f"not {o['wire']!r}")
     if not _is_int(o["seed"]) or not 0 <= o["seed"] < 2 ** 64:
         raise ValueError(f"seed must be an integer from 0 to 2**64 - 1, not {o['seed']!r}")
+    _check_rotate(o, b)
     mm = o["max_message_bytes"]
     one_block = formats.max_block_bytes(o["wire"], b)
     if not _is_int(mm) or not one_block <= mm < 2 ** 31:

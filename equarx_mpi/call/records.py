@@ -27,6 +27,8 @@ class CallInfo(NamedTuple):
     #: a rigorous bound on |result - exact| over the result's finite values,
     #: the same on every rank (QuantizedComm.last_error_bound, docs/ERROR.md)
     error_bound: float = math.inf
+    #: the rotation's size when the values travelled rotated (option rotate), else 0
+    rotation: int = 0
 
 
 class Stats(NamedTuple):

@@ -4,11 +4,12 @@ the error bound of each call (bound.py).  QuantizedComm runs one on its
 duplicate of the caller's communicator; the hierarchical schedule one more
 on the communicator between nodes."""
 import collections
+import math
 
 import numpy as np
 
 from equarx_mpi.bounds import bound
-from equarx_mpi.collectives import exact
+from equarx_mpi.collectives import exact, rotation
 from equarx_mpi.collectives.nodes import in_turn
 from equarx_mpi.collectives.pieces import chunks as pieces_per_shard
 from equarx_mpi.collectives.pieces import fail
@@ -117,10 +118,20 @@ class Engine:
         #: the error-bounded mode's tolerance.Budget of the next call (its
         #: "mixed" format's), set by QuantizedComm
         self.budget = None
+        size = opts.get("rotate") or 0
+        #: the rotation of SUM calls (option rotate), or None
+        self.rotation = rotation.Rotation(opts["block_size"] if size is True else size, opts["seed"],
+                                 opts["block_size"]) if size else None
 
     def free(self):
         self._routes.clear()
         self._ws = None
+        if self.rotation is not None:
+            self.rotation.free()
+
+    def rotates(self, name):
+        """Whether a call of op ``name`` runs rotated."""
+        return self.rotation is not None and name == "sum"
 
     def allreduce(self, algorithm, send, recv, name, op, e_own=0.0, feedback=None,
                   fix_up=True):
@@ -135,6 +146,9 @@ class Engine:
         nb = -(-n // B)
         edges = [min(s * nb // P * B, n) for s in range(P + 1)]
         shards = [(edges[s], edges[s + 1] - edges[s]) for s in range(P)]
+        if self.rotates(name):
+            return self._allreduce_rotated(algorithm, shards, own, recv, op, e_own, feedback,
+                                           fix_up)
         ranges, tally = self._run(algorithm, "allreduce", shards, own, recv, name, 0, 0, e_own,
                                   feedback)
         if not fix_up:
@@ -142,20 +156,78 @@ class Engine:
         fixed, fix = exact.fix_allreduce(self.comm, ranges, own, recv, op, e_own)
         return fixed, self._bound(tally, fix, n, 0)
 
+    def _allreduce_rotated(self, algorithm, shards, own, recv, op, e_own, feedback, fix_up):
+        """allreduce on the rotated input (collectives/rotation.py): the
+        result rotated back into recv; flagged and risky blocks exact, from
+        own (the caller's values)."""
+        rot, n, B = self.rotation, recv.size, self.opts["block_size"]
+        y = rot.buffer(n, recv.dtype)
+        rot.forward(own, y)
+        # an error on the input is at most sqrt(S) times larger rotated
+        e_y = rot.own_error(own) + math.sqrt(rot.size) * e_own
+        if feedback is not None:
+            e_y += feedback.begin_rotated(y, recv.dtype)
+        ranges, tally = self._run(algorithm, "allreduce", shards, y, y, "sum", 0, 0, e_y,
+                                  feedback)
+        e = tally.finish()
+        mags, risky = rot.back(y, recv)
+        ranges = rotation.add_blocks(ranges, risky, B, n)
+        if feedback is not None:
+            feedback.end(y, ranges)
+        exact_blocks = _blocks_of(ranges, B, 0)
+        mags[exact_blocks] = 0.0
+        x_e = rot.x_bound(e, float(mags.max(initial=0.0)), recv.dtype)
+        keep = own.copy() if ranges and own is recv else own   # in place: x is overwritten
+        rot.backward(y, recv)
+        fixed, fix = 0, 0.0
+        if fix_up:
+            fixed, fix = exact.fix_allreduce(self.comm, ranges, keep, recv, op, e_own)
+        self._rotated_record(tally, mags, exact_blocks, fix, n, 0, recv.dtype)
+        return (fixed if fix_up else ranges), max(x_e, fix)
+
+    def _rotated_record(self, tally, mags, exact_blocks, fix, n, offset, dtype):
+        """The per-block bounds of a rotated call: the schedule's, on the
+        rotated values, carried back (rotation.py); ``fix`` on exact blocks."""
+        B, rot = self.opts["block_size"], self.rotation
+
+        def blocks():
+            xb = rot.x_bound(bound.to_blocks(tally.segments(0.0), n, B, offset), mags, dtype)
+            xb[exact_blocks] = fix
+            return [(offset, offset + n, xb)]
+        self.record = bound.Record(n, B, blocks, offset)
+
     def reduce_scatter(self, algorithm, send, recv, name, op):
         P, r = self.P, self.rank
         own = recv if send is None else send
         m = own.size // P
         # in place the result is staged, so the input survives for a fix-up
         out = recv[:m] if send is not None else np.empty(m, recv.dtype)
-        ranges, tally = self._run(algorithm, "reduce_scatter", [(s * m, m) for s in range(P)],
-                                  own, out, name, 0, r * m)
+        shards = [(s * m, m) for s in range(P)]
+        rot = self.rotation if self.rotates(name) else None
+        if rot is None:
+            ranges, tally = self._run(algorithm, "reduce_scatter", shards, own, out, name, 0,
+                                      r * m)
+            local = tally.finish()
+        else:
+            y, z = rot.buffer(own.size, own.dtype), rot.buffer(m, own.dtype, 1)
+            for lo, _ in shards:          # each shard rotated on its own
+                rot.forward(own[lo:lo + m], y[lo:lo + m], lo)
+            ranges, tally = self._run(algorithm, "reduce_scatter", shards, y, z, name, 0,
+                                      r * m, rot.own_error(own))
+            mags, risky = rot.back(z, out)
+            ranges = rotation.add_blocks(ranges, risky, self.opts["block_size"], m, r * m)
+            exact_blocks = _blocks_of(ranges, self.opts["block_size"], r * m)
+            mags[exact_blocks] = 0.0
+            local = rot.x_bound(tally.finish(), float(mags.max(initial=0.0)), out.dtype)
+            rot.backward(z, out, r * m)
         # each rank's result is its own: the fix-up's agreement shares the bounds
-        fixed, fix, most = exact.fix_reduce_scatter(self.comm, ranges, own, out, op, r, m,
-                                                    tally.finish())
+        fixed, fix, most = exact.fix_reduce_scatter(self.comm, ranges, own, out, op, r, m, local)
         if send is None:
             recv[:m] = out
-        self._set_record(tally, fix, m, r * m)
+        if rot is None:
+            self._set_record(tally, fix, m, r * m)
+        else:
+            self._rotated_record(tally, mags, exact_blocks, fix, m, r * m, out.dtype)
         return fixed, max(most, fix)
 
     def allgather(self, send, recv):
@@ -164,11 +236,33 @@ class Engine:
         P, r = self.P, self.rank
         m = recv.size // P
         own = recv[r * m:(r + 1) * m] if send is None else send
-        ranges, tally = self._run("ring", "allgather", [(s * m, m) for s in range(P)], own,
-                                  recv, "sum", r * m, 0)
-        # flagged blocks travel exactly (their owner's bits)
-        return exact.fix_allgather(self.comm, ranges, own, recv, r), self._bound(
-            tally, 0.0, recv.size, 0)
+        shards = [(s * m, m) for s in range(P)]
+        rot = self.rotation
+        if rot is None:
+            ranges, tally = self._run("ring", "allgather", shards, own, recv, "sum", r * m, 0)
+            # flagged blocks travel exactly (their owner's bits)
+            return exact.fix_allgather(self.comm, ranges, own, recv, r), self._bound(
+                tally, 0.0, recv.size, 0)
+        B = self.opts["block_size"]
+        y, z = rot.buffer(m, own.dtype), rot.buffer(recv.size, own.dtype, 1)
+        rot.forward(own, y, r * m)
+        ranges, tally = self._run("ring", "allgather", shards, y, z, "sum", r * m, 0,
+                                  rot.own_error(own))
+        mags = []
+        for lo, _ in shards:              # each shard rotated back on its own
+            mag, risky = rot.back(z[lo:lo + m], recv)
+            ranges = rotation.add_blocks(ranges, risky, B, m, lo)
+            mags.append(mag)
+        mags = np.concatenate(mags) if mags else np.zeros(0)
+        mags[_blocks_of(ranges, B, 0, m)] = 0.0
+        keep = own.copy() if ranges and send is None else own
+        for lo, _ in shards:
+            rot.backward(z[lo:lo + m], recv[lo:lo + m], lo)
+        fixed = exact.fix_allgather(self.comm, ranges, keep, recv, r)
+        x_e = rot.x_bound(tally.finish(), float(mags.max(initial=0.0)), recv.dtype)
+        # one bound for all (the shards' blocks do not line up with the result's)
+        self.record = bound.Record.constant(recv.size, B, x_e)
+        return fixed, x_e
 
     def _set_record(self, tally, fix, n, offset):
         """Keep what the per-block bounds of this call need."""
@@ -197,7 +291,8 @@ class Engine:
             # every rank gets here in the same call: one rank per node
             # compiles what this schedule runs, the others then load it
             in_turn(self.compile_first, self.comm,
-                    lambda: warm(fmt, kdtype, algorithm, kind, self.P, (rmode,)))
+                    lambda: (warm(fmt, kdtype, algorithm, kind, self.P, (rmode,)),
+                             self.rotation and rotation.warm(acc_dtype(kdtype))))
             self._warm.add(key)
         return fmt
 
@@ -242,3 +337,20 @@ class Engine:
             fail(self.comm, exc)
             raise
         return ranges, tally
+
+
+def _blocks_of(ranges, block, offset, shard=None):
+    """The indices of the blocks (of ``block`` values from ``offset``; with
+    ``shard``: blocks counted shard by shard, as an Allgather's) that the
+    value ranges touch."""
+    out = []
+    for lo, hi in ranges:
+        lo, hi = lo - offset, hi - offset
+        if shard is None:
+            out.extend(range(lo // block, -(-hi // block)))
+        else:
+            per = -(-shard // block)
+            s = lo // shard
+            out.extend(s * per + b for b in range((lo - s * shard) // block,
+                                                  -(-(hi - s * shard) // block)))
+    return np.array(sorted(set(out)), np.int64)

@@ -351,6 +351,11 @@ DIRECTED_WIRES = tuple(name for name, w in REGISTRY.items() if w.directed)
 STOCHASTIC_WIRES = tuple(name for name, w in REGISTRY.items() if w.stochastic)
 
 
+#: wires that can travel rotated (option rotate): the block wires, not the
+#: plain ones (a rotation buys a 16- or 32-bit wire nothing)
+ROTATE_WIRES = tuple(name for name, w in REGISTRY.items() if (w.bits or 0) < 16)
+
+
 def default_block(wire):
     """block_size when none is given: the wire's own (the mode's: 256)."""
     w = REGISTRY.get(wire)

@@ -1,0 +1,138 @@
+"""Rotation around a quantized schedule (option ``rotate``; docs/FORMAT.md
+"Rotation", docs/ERROR.md "Rotated calls").
+
+Each rank rotates its input once into the accumulation type (chunks of
+``size``, signs from the seed: the same on every rank), the schedule runs
+unchanged on the rotated values (the sum of the rotated inputs is the
+rotation of the sum), and the result is rotated back once, into the
+caller's output.  A value is rotated with its index in the whole message,
+so how a schedule cuts pieces does not matter; a Reduce_scatter_block or
+Allgather shard is rotated on its own (its chunks start at the shard).
+
+What the rotation cannot carry goes the exact way, from the caller's own
+values: blocks the schedule flags (Inf or NaN spread over the block, or a
+rotated value past the accumulation type) and blocks whose rotation back
+could overflow the output (``risky``).  Chunks lie inside blocks (size
+divides the block), so a block is rotated or exact as a whole.
+
+The bound: with R the exact rotation (orthogonal, |R^T e|_i <= sqrt(S)
+max |e| over the chunk), computed rotations carry at most ``rho(M)`` =
+gamma_(k+5) sqrt(S) M + 2 eta on values whose chunk's magnitudes are at
+most M (k = log2 S butterfly stages, the scale and its rounding; eta for
+underflow).  A schedule bound E on the rotated values (each rank's
+rounding rho(max |x_r|) entered as its own input's error) becomes
+sqrt(S) E + rho(|z|) after the rotation back, plus the rounding into a
+16-bit output.
+"""
+import math
+
+import numpy as np
+
+from equarx_mpi.bounds import bound
+from equarx_mpi.kernels import rotate as kernels
+from equarx_mpi.names import acc_dtype, kernel_dtype, kernel_view
+
+#: the sign pattern's key: one rotation per seed (every call and piece is
+#: told apart by the values' indices, which the signs depend on)
+KEY = 0
+
+
+class Rotation:
+    """The rotation of a communicator's calls: ``size`` (a power of two
+    dividing the block), signs from ``seed``."""
+
+    def __init__(self, size, seed, block):
+        self.size, self.seed, self.block = size, seed, block
+        self._k = size.bit_length() - 1
+        self._root = math.sqrt(size)
+        self._bufs = {}
+
+    def __repr__(self):
+        return f"Rotation(size={self.size}, seed={self.seed})"
+
+    def buffer(self, n, dtype, which=0):
+        """A workspace of n values of dtype's accumulation type (kept for
+        the next call; never the caller's memory)."""
+        acc = acc_dtype(dtype)
+        key = (acc.str, which)
+        buf = self._bufs.get(key)
+        if buf is None or buf.size < n:
+            buf = self._bufs[key] = np.empty(n, acc)
+        return buf[:n]
+
+    def free(self):
+        self._bufs.clear()
+
+    def forward(self, src, y, start=0):
+        """y = the rotation of src (flat, caller's type), values numbered
+        from ``start``."""
+        kernels.rotate(src, y, self.size, self.seed, KEY, start)
+
+    def backward(self, z, out, start=0):
+        """out = the rotation back of z (accumulation type) into out's type."""
+        kernels.unrotate(z, out, self.size, self.seed, KEY, start)
+
+    def rho(self, most, dtype):
+        """The rounding of one rotation (either way) of values of magnitude
+        at most ``most`` (accumulation type of dtype)."""
+        u, eta = bound.acc_rounding(kernel_dtype(dtype))
+        with np.errstate(over="ignore", invalid="ignore"):
+            return bound.gamma(self._k + 5, u) * self._root * most + 2 * eta
+
+    def own_error(self, src):
+        """This rank's input error on the rotated values: rho of its largest
+        finite magnitude (blocks holding Inf or NaN go exact)."""
+        return self.rho(bound.largest(kernel_view(src, False)), src.dtype)
+
+    def back(self, z, out):
+        """Per block of z (the rotated result), its largest magnitude and
+        whether rotating it back could overflow the accumulation type or
+        out's type: (magnitudes, risky block indices)."""
+        mags = bound.block_magnitudes(z, self.block, finite_only=True)
+        grow = 1 + bound.gamma(self._k + 5, bound.acc_rounding(z.dtype)[0])
+        top = float(np.finfo(z.dtype).max)
+        limit = min(top, bound.out_limit(kernel_dtype(out.dtype)))
+        with np.errstate(over="ignore"):
+            risky = np.flatnonzero((mags * (self.size * grow) >= top)
+                                   | (mags * (self._root * grow) >= limit))
+        return mags, risky
+
+    def x_bound(self, e, mags, dtype):
+        """The bound on the caller's values of blocks whose rotated values
+        have bound e (float or per block) and magnitudes mags (per block),
+        output in dtype."""
+        uc, etac = bound.cast(kernel_dtype(dtype))
+        with np.errstate(over="ignore", invalid="ignore"):
+            rho = self.rho(mags, dtype)
+            back = self._root * mags + rho
+            return self._root * e + rho + uc * back + etac
+
+
+def warm(acc):
+    """Compile (or load) the rotation kernels for every input type whose
+    accumulation type is ``acc``: both ways, into the input's type and the
+    accumulation type (error feedback turns its residual)."""
+    from equarx_mpi.names import QUANTIZED_DTYPES
+    y = np.zeros(9, acc)
+    for dt in QUANTIZED_DTYPES:
+        if acc_dtype(dt) == acc:
+            x = np.zeros(9, dt)
+            kernels.rotate(x, y, 4, 0, KEY)
+            kernels.unrotate(y, x, 4, 0, KEY)
+    kernels.unrotate(y, y.copy(), 4, 0, KEY)
+
+
+def add_blocks(ranges, blocks, block, n, offset=0):
+    """ranges (sorted (lo, hi) value ranges) with the given block indices
+    added (blocks of ``block`` values from ``offset``), sorted, merged."""
+    if not len(blocks):
+        return ranges
+    extra = [(offset + int(b) * block, min(offset + (int(b) + 1) * block, offset + n))
+             for b in blocks]
+    merged = []
+    for lo, hi in sorted(list(ranges) + extra):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
