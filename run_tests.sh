@@ -135,6 +135,7 @@ for layout in ${LAYOUTS:-2x2 2x3 4x2}; do
         "faked layout of $layout nodes x ranks" -m "mpi and not large" \
         tests/test_mpi_hierarchical.py tests/test_mpi_auto.py \
         tests/test_mpi_bound.py::test_hierarchical_bound_holds \
+        tests/test_mpi_rotate.py::test_hierarchical_rotates \
         tests/test_mpi_nonfinite.py::test_hierarchical_nonfinite_blocks_are_mpis
 done
 

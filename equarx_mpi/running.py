@@ -6,11 +6,12 @@ import math
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from equarx_mpi.bounds import bound, mpi_bound
 from equarx_mpi.call import bound_from
 from equarx_mpi.call.records import CallInfo, uncompressed_bytes
-from equarx_mpi.collectives import exact
+from equarx_mpi.collectives import exact, rotation
 from equarx_mpi.collectives.background import in_background
 from equarx_mpi.collectives.engine import Engine
 from equarx_mpi.collectives.registry import SCHEDULES
@@ -39,11 +40,12 @@ class Runner:
 
     def execute(self, c):
         """Run a prepared call on the library's communicator; its CallInfo."""
+        self._rotate(c)
         fb = c.feedback
         if fb is None:
             return self._run(c)
-        rotated = c.quantize and self.engine.rotates(c.name)
-        fb.into(self.engine.rotation if rotated else None)
+        rotated = self.engine.rotates(c.name)
+        fb.into(self.engine.active if rotated else None)
         if rotated:                 # the engine adds the residual to the rotated input
             return self._run(c)
         # the residual joins the input (not in place any more: the caller's
@@ -54,6 +56,27 @@ class Runner:
         info = self._run(c.with_input(fb.begin(own)), fb.moved(own))
         fb.end(c.recv)
         return info
+
+    def _rotate(self, c):
+        """Whether c travels rotated (option rotate): the engine's ``active``
+        rotation for it.  rotate="auto" decides from the ranks' outlier
+        scores (collectives/rotation.py), one 16-byte Allreduce; never for
+        fp8, whose per-value exponent already fits heavy tails (rotated it
+        loses: docs/FORMAT.md "Rotation")."""
+        e = self.engine
+        rot = e.rotation if c.quantize and c.name == "sum" else None
+        if rot is not None and e.auto:
+            if self.wire == "fp8":
+                rot = None
+            else:
+                own = c.recv if c.send is None else c.send
+                if c.what == "Allgather" and c.send is None:
+                    m = own.size // self._size
+                    own = own[self._comm.Get_rank() * m:][:m]
+                got = np.array(rotation.outliers(own, self.block_size))
+                self._comm.Allreduce(MPI.IN_PLACE, got, MPI.SUM)
+                rot = rot if got[0] > rotation.AUTO_SCORE * got[1] else None
+        e.active = rot
 
     def _run(self, c, e_own=0.0):
         """execute without the feedback's part: the method's runner (_RUN);
@@ -73,7 +96,7 @@ class Runner:
         rotated = c.quantize and self.engine.rotates(c.name)
         return CallInfo(c.what, c.method, self.wire if c.quantize else None, c.reason, fixed,
                         sent, seconds, math.inf if err is None else err,
-                        self.engine.rotation.size if rotated else 0)
+                        self.engine.active.size if rotated else 0)
 
     # --- the runners, one per method: (values fixed up, bound, bound.Record) -----
     def _exact_bound(self, c, e_own):
@@ -117,6 +140,8 @@ class Runner:
     def _hierarchical(self, c, e_own):
         self.engine.budget = c.budget
         hier, between = self._hierarchy()
+        # the step between nodes rotates as this call does
+        between.active = between.rotation if self.engine.active is not None else None
         B = self.block_size
 
         def across(comm, mine, e_own):

@@ -275,3 +275,57 @@ def test_feedback_keeps_a_rotated_residual(wire):
         everywhere(np.abs(run).max() < np.abs(drift).max(),
                    f"running error {np.abs(run).max():.3g} below no feedback's "
                    f"{np.abs(drift).max():.3g}")
+
+
+@pytest.mark.parametrize("wire", ["int8", "int4", "fp8"])
+def test_auto_rotates_where_outliers_are(wire):
+    """rotate="auto": heavy-tailed data with outlier channels rotated (the
+    same bits as rotate=True), Gaussian data not, fp8 never; the choice is
+    the same on every rank (the scores are summed) and in last_call."""
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    gauss = np.random.default_rng(r).standard_normal(1 << 14).astype(np.float32)
+    # outliers on one rank only: the others must still follow it
+    data = heavy(1 << 14, r, outliers=40.0 if r == 0 else 1.0)
+    with QuantizedComm(WORLD, **opts(wire=wire, rotate="auto")) as qc, \
+            QuantizedComm(WORLD, **opts(wire=wire, rotate=True)) as always:
+        got, want = np.empty_like(data), np.empty_like(data)
+        qc.Allreduce(data, got)
+        heavy_rot = qc.last_call.rotation
+        always.Allreduce(data, want)
+        qc.Allreduce(gauss, np.empty_like(gauss))
+        gauss_rot = qc.last_call.rotation
+        B = qc.block_size
+    if P == 1:
+        everywhere(heavy_rot == 0 and gauss_rot == 0, "one rank: a copy")
+        return
+    everywhere(gauss_rot == 0, f"Gaussian data not rotated ({gauss_rot})")
+    if wire == "fp8":
+        everywhere(heavy_rot == 0, "fp8 never rotated by auto")
+    else:
+        everywhere(heavy_rot == B and np.array_equal(got, want),
+                   f"outliers rotated ({heavy_rot}), as rotate=True")
+    everywhere(same_everywhere(got), "identical on every rank")
+
+
+def test_hierarchical_rotates():
+    """The step between nodes rotates (run under EQUARX_MPI_FAKE_NODES by
+    run_tests.sh; on one node the hierarchical method is the ring)."""
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    x = heavy(20000, r)
+    exact = WORLD.allreduce(x.astype(np.float64))
+    errs = {}
+    for rot in (False, True):
+        with QuantizedComm(WORLD, **opts(algorithm="hierarchical", wire="int8",
+                                         rotate=rot)) as qc:
+            got = np.empty_like(x)
+            qc.Allreduce(x, got)
+            info = qc.last_call
+        err = np.abs(got.astype(np.float64) - exact)
+        everywhere(err.max() <= info.error_bound, f"within the bound: {err.max():.3g} <= "
+                                                  f"{info.error_bound:.3g}")
+        everywhere(same_everywhere(got), "identical on every rank")
+        errs[rot] = rel(got, exact)
+        if P > 1 and info.wire is not None:
+            everywhere(info.rotation == (qc.block_size if rot else 0), f"{info}")
+    if P > 1:
+        everywhere(errs[True] < errs[False], f"rotated {errs[True]:.3g} < {errs[False]:.3g}")

@@ -68,6 +68,11 @@ METHODS = {
                            dict(wire="int8", algorithm="ring", check=False)),
     "int4": Method("int4 ring at every size, block 64 (int4's own, whatever --block says)",
                    dict(RING, wire="int4", block_size=64)),
+    "int4-rot": Method("int4 ring at every size, block 64, rotated (rotate=True: a "
+                       "randomized Hadamard rotation per block before quantizing)",
+                       dict(RING, wire="int4", block_size=64, rotate=True)),
+    "int8-rot": Method("int8 ring at every size, rotated (rotate=True)",
+                       dict(RING, wire="int8", rotate=True)),
     "fp8": Method("fp8 (e4m3) ring at every size", dict(RING, wire="fp8")),
     "int8-aff": Method("int8-affine ring at every size (codes between each block's minimum "
                        "and maximum)", dict(RING, wire="int8-affine")),

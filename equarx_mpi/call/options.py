@@ -50,7 +50,7 @@ DEFAULTS = dict(
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
     rounding="nearest",     # of SUM's codes; "stochastic": unbiased, keyed by seed
     seed=0,
-    rotate=False,           # True: a randomized Hadamard rotation per block; or its size
+    rotate=False,           # True: a randomized Hadamard rotation per block; its size; "auto"
     abs_tol=None,           # the error-bounded mode (tolerance.py): at most one of the two
     rel_tol=None,
 )
@@ -91,8 +91,8 @@ def _parse_env(name, text):
         return float(t)
     if name == "check" and t.lower() == "all":
         return "all"
-    if name == "rotate" and t.isdigit() and int(t) > 1:
-        return int(t)
+    if name == "rotate" and (t.isdigit() and int(t) > 1 or t.lower() == "auto"):
+        return int(t) if t.isdigit() else "auto"
     if name in ("check", "lossy_allgather", "exact_bounds", "rotate"):
         if t.lower() in ("1", "true", "yes", "on"):
             return True
@@ -197,12 +197,12 @@ def _check_tolerance(o):
 
 def _check_rotate(o, block):
     r = o["rotate"]
-    if r is False or r is True or isinstance(r, np.bool_):
+    if r is False or r is True or isinstance(r, np.bool_) or r == "auto":
         if not r:
             return
     elif not _is_int(r) or r < 2 or r > block or r & (r - 1):
-        raise ValueError(f"rotate must be False, True (the block's size) or a power of two "
-                         f"from 2 to block_size {block}, not {r!r}")
+        raise ValueError(f"rotate must be False, True (the block's size), 'auto' or a power "
+                         f"of two from 2 to block_size {block}, not {r!r}")
     if o["wire"] not in formats.ROTATE_WIRES:
         raise ValueError(f"rotate= works with the block wires {formats.ROTATE_WIRES}, not "
                          f"{o['wire']!r}" + (" (set abs_tol/rel_tol or rotate, not both)"

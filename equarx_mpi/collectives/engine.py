@@ -118,10 +118,13 @@ class Engine:
         #: the error-bounded mode's tolerance.Budget of the next call (its
         #: "mixed" format's), set by QuantizedComm
         self.budget = None
-        size = opts.get("rotate") or 0
-        #: the rotation of SUM calls (option rotate), or None
-        self.rotation = rotation.Rotation(opts["block_size"] if size is True else size, opts["seed"],
-                                 opts["block_size"]) if size else None
+        rot, B = opts.get("rotate") or 0, opts["block_size"]
+        #: the rotation of SUM calls (option rotate), or None; with
+        #: rotate="auto" ``active`` is set per call (running.py), else it is this
+        self.rotation = rotation.Rotation(rot if _is_size(rot) else B, opts["seed"],
+                                          B) if rot else None
+        self.auto = rot == "auto"
+        self.active = None if self.auto else self.rotation
 
     def free(self):
         self._routes.clear()
@@ -131,7 +134,7 @@ class Engine:
 
     def rotates(self, name):
         """Whether a call of op ``name`` runs rotated."""
-        return self.rotation is not None and name == "sum"
+        return self.active is not None and name == "sum"
 
     def allreduce(self, algorithm, send, recv, name, op, e_own=0.0, feedback=None,
                   fix_up=True):
@@ -160,7 +163,7 @@ class Engine:
         """allreduce on the rotated input (collectives/rotation.py): the
         result rotated back into recv; flagged and risky blocks exact, from
         own (the caller's values)."""
-        rot, n, B = self.rotation, recv.size, self.opts["block_size"]
+        rot, n, B = self.active, recv.size, self.opts["block_size"]
         y = rot.buffer(n, recv.dtype)
         rot.forward(own, y)
         # an error on the input is at most sqrt(S) times larger rotated
@@ -188,7 +191,7 @@ class Engine:
     def _rotated_record(self, tally, mags, exact_blocks, fix, n, offset, dtype):
         """The per-block bounds of a rotated call: the schedule's, on the
         rotated values, carried back (rotation.py); ``fix`` on exact blocks."""
-        B, rot = self.opts["block_size"], self.rotation
+        B, rot = self.opts["block_size"], self.active
 
         def blocks():
             xb = rot.x_bound(bound.to_blocks(tally.segments(0.0), n, B, offset), mags, dtype)
@@ -203,7 +206,7 @@ class Engine:
         # in place the result is staged, so the input survives for a fix-up
         out = recv[:m] if send is not None else np.empty(m, recv.dtype)
         shards = [(s * m, m) for s in range(P)]
-        rot = self.rotation if self.rotates(name) else None
+        rot = self.active if self.rotates(name) else None
         if rot is None:
             ranges, tally = self._run(algorithm, "reduce_scatter", shards, own, out, name, 0,
                                       r * m)
@@ -237,7 +240,7 @@ class Engine:
         m = recv.size // P
         own = recv[r * m:(r + 1) * m] if send is None else send
         shards = [(s * m, m) for s in range(P)]
-        rot = self.rotation
+        rot = self.active
         if rot is None:
             ranges, tally = self._run("ring", "allgather", shards, own, recv, "sum", r * m, 0)
             # flagged blocks travel exactly (their owner's bits)
@@ -354,3 +357,7 @@ def _blocks_of(ranges, block, offset, shard=None):
             out.extend(s * per + b for b in range((lo - s * shard) // block,
                                                   -(-(hi - s * shard) // block)))
     return np.array(sorted(set(out)), np.int64)
+
+
+def _is_size(rot):
+    return not isinstance(rot, (bool, str)) and rot > 0
