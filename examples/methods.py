@@ -32,6 +32,9 @@ BENCH_NAME = {
     "fp8": ("fp8", False),                   # e4m3 codes, ring
     "int4": ("int4", False),                 # half int8's bytes, ring
     "int4+ef": ("int4", True),               # + error feedback
+    "int8-rot": ("int8-rot", False),         # rotated before quantizing (rotate=True)
+    "int4-rot": ("int4-rot", False),
+    "int4-rot+ef": ("int4-rot", True),
     "fp8+ef": ("fp8", True),
 }
 METHODS = {name: None if BENCH[bench].options is None else

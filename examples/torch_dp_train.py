@@ -20,6 +20,9 @@ one epoch each in turn, so a busy machine slows them alike.  Methods:
                 predicted 25% faster than exact)
   hook          DDP on gloo + equarx_mpi.torch.allreduce_hook (defaults)
   hook-ef       the same with error feedback per bucket
+  hook-int4-rot-ef  the hook with wire="int4", rotate=True and error feedback
+                (the residual kept rotated); algorithm="auto" still decides
+                where it travels lossy (on one node: MPI's exact sum)
   bf16-hook     DDP on gloo + torch's bf16_compress_hook (its body: torch
                 2.13's hook refuses to run without CUDA 11+ and NCCL 2.10+,
                 though nothing in it needs them)
@@ -69,8 +72,11 @@ import equarx_mpi.torch as eqt  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dp_digits import load_data as digits  # noqa: E402
 
-METHODS = ("gloo", "equarx-exact", "equarx-int8", "hook", "hook-ef", "bf16-hook", "powersgd",
-           "perchannel", "local")
+METHODS = ("gloo", "equarx-exact", "equarx-int8", "hook", "hook-ef", "hook-int4-rot-ef",
+           "bf16-hook", "powersgd", "perchannel", "local")
+#: the hook's methods: HookState's options (feedback: error feedback)
+HOOKS = {"hook": {}, "hook-ef": dict(feedback=True),
+         "hook-int4-rot-ef": dict(wire="int4", rotate=True, feedback=True)}
 WIDTH = 3072
 BATCH = 64
 
@@ -148,9 +154,9 @@ class Trainer:
         else:
             ddp = DDP(model, process_group=groups["gloo"], bucket_cap_mb=cap)
         self.state = None
-        if name in ("hook", "hook-ef"):
-            self.state = eqt.HookState(MPI.COMM_WORLD, feedback=name == "hook-ef",
-                                       process_group=groups["gloo"])
+        if name in HOOKS:
+            self.state = eqt.HookState(MPI.COMM_WORLD, process_group=groups["gloo"],
+                                       **HOOKS[name])
             ddp.register_comm_hook(self.state, eqt.allreduce_hook)
         elif name == "bf16-hook":
             ddp.register_comm_hook(groups["gloo"], bf16_hook)

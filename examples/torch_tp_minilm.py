@@ -20,7 +20,9 @@ to install it without torch's CUDA build).
 
 Methods: gloo (exact), equarx (the "equarx" group's defaults: auto, lossy
 only where predicted 25% faster), equarx-int8 (an "equarx" group with
-algorithm="two_shot", min_quantized_bytes=0: int8 at every size).  Rank 0
+algorithm="two_shot", min_quantized_bytes=0: int8 at every size), and the
+same rotated before quantizing (equarx-int8-rot, equarx-int4-rot: rotate=True,
+docs/OPTIONS.md "rotate").  Rank 0
 prints each method's cosine to the exact embeddings (gloo's), nearest
 neighbours changed, and the median forward (prefill) time, the methods
 interleaved forward by forward.  Needs torch, safetensors, tokenizers.
@@ -61,7 +63,10 @@ from minilm_tp import (  # noqa: E402
 
 import equarx_mpi.torch as eqt  # noqa: E402
 
-METHODS = ("gloo", "equarx", "equarx-int8")
+METHODS = ("gloo", "equarx", "equarx-int8", "equarx-int8-rot", "equarx-int4-rot")
+#: the quantized methods' backend options: two-shot at every size, rotated or not
+QUANTIZED = {"equarx-int8": {}, "equarx-int8-rot": dict(rotate=True),
+             "equarx-int4-rot": dict(wire="int4", rotate=True)}
 
 
 class ColumnParallel(torch.nn.Module):
@@ -155,9 +160,10 @@ def run(methods, sentences, repeats):
     """Per method: the embeddings' comparison with gloo's and the median
     forward time (every rank gets the same dict)."""
     rank, size = dist.get_rank(), dist.get_world_size()
-    groups = {"gloo": dist.new_group(backend="gloo"), "equarx": dist.group.WORLD,
-              "equarx-int8": dist.new_group(backend="equarx", pg_options=eqt.Options(
-                  algorithm="two_shot", min_quantized_bytes=0))}
+    groups = {"gloo": dist.new_group(backend="gloo"), "equarx": dist.group.WORLD}
+    for m, extra in QUANTIZED.items():     # every rank makes every group, in one order
+        groups[m] = dist.new_group(backend="equarx", pg_options=eqt.Options(
+            algorithm="two_shot", min_quantized_bytes=0, **extra))
     weights = load_weights()
     ids, mask = tokenize(load_tokenizer(), sentences)
     ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
