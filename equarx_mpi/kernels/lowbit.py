@@ -40,14 +40,6 @@ _U = np.uint64
 
 
 @njit(inline='always', **CACHE)
-def shape(levels):
-    """(W bits a code, G codes a group, bytes a group) for L = levels."""
-    if levels == 3:
-        return 3, 8, 3
-    return 2, 4, 1
-
-
-@njit(inline='always', **CACHE)
 def _code(x, q, a, k, levels, rmode):
     """The code of x (q = x scaled to code units): nearest, or ceiling /
     floor corrected so the decoded value never falls below / above x
@@ -66,9 +58,51 @@ def _code(x, q, a, k, levels, rmode):
 
 
 @njit(inline='always', **CACHE)
+def _group(vals, at, cnt, W, mode, lift, r, a, k, L, rmode):
+    """The word of codes of vals[at:at+cnt], code i at bits W*i; mode 0:
+    the signs of an all-zero block, 1: to nearest, 2: directed."""
+    word = np.uint32(0)
+    for i in range(cnt):
+        x = vals[_U(at + i)]
+        if mode == 0:                                # zeros keep their sign: -0.0 -> -1
+            c = np.int32(sign_code(x))
+        elif mode == 1:
+            c = np.int32(np.rint((x * lift) * r))
+        else:
+            c = np.int32(_code(x, (x * lift) * r, a, k, L, rmode))
+        word |= (np.uint32(c) & np.uint32((1 << W) - 1)) << np.uint32(W * i)
+    return word
+
+
+@njit(inline='always', **CACHE)
 def _put(codes, at, word, nbytes):
     for t in range(nbytes):
         codes[_U(at + t)] = np.uint8((word >> np.uint32(8 * t)) & np.uint32(255))
+
+
+@njit(inline='always', **CACHE)
+def _pack(vals, off, m, codes, lo, W, G, GB, mode, lift, r, a, k, L, rmode):
+    """Codes of vals[off:off+m] into codes from value lo (a group's start)
+    on; W, G, GB constants at each call (groups of G codes of W bits in GB
+    bytes), so the group loops unroll."""
+    at = (lo // G) * GB
+    full = m // G
+    for g in range(full):
+        _put(codes, at + g * GB, _group(vals, off + g * G, G, W, mode, lift, r, a, k, L, rmode),
+             GB)
+    rest = m - full * G
+    if rest:
+        _put(codes, at + full * GB,
+             _group(vals, off + full * G, rest, W, mode, lift, r, a, k, L, rmode),
+             (W * rest + 7) // 8)
+
+
+@njit(inline='always', **CACHE)
+def _pack_as(vals, off, m, codes, lo, levels, mode, lift, r, a, k, L, rmode):
+    if levels == 3:
+        _pack(vals, off, m, codes, lo, 3, 8, 3, mode, lift, r, a, k, L, rmode)
+    else:
+        _pack(vals, off, m, codes, lo, 2, 4, 1, mode, lift, r, a, k, L, rmode)
 
 
 @njit(**HELPER)
@@ -77,54 +111,65 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail)
     max_u) into header[b] and the codes of values lo..lo+m-1 (lo a multiple
     of the group); the loops' emit (stream, tail unused)."""
     wide_vectors()
-    W, G, GB = shape(levels)
-    mask = np.uint32((1 << W) - 1)
-    at = (lo // G) * GB
     zero, one = as_acc(header, 0), as_acc(header, 1)
-    flagged = max_u >= abs_bits(as_acc(header, np.inf))   # Inf or NaN inside: codes 0
-    zeros = max_u == abs_bits(zero)
-    a = zero if flagged or zeros else from_abs_bits(max_u, zero)
+    if max_u >= abs_bits(as_acc(header, np.inf)):
+        header[b] = np.inf                       # flagged: Inf or NaN inside, codes 0
+        W = 3 if levels == 3 else 2
+        at = _U(W * lo // 8)
+        for j in range((W * m + 7) // 8):
+            codes[at + _U(j)] = 0
+        return
+    L = as_acc(header, levels)
+    k = one / L
+    if max_u == abs_bits(zero):
+        _pack_as(vals, off, m, codes, lo, levels, 0, one, one, zero, k, L, rmode)
+        header[b] = zero
+        return
+    a = from_abs_bits(max_u, zero)
     tiny, lift = wide_tiny_lift(zero)
     if not a < tiny:
         lift = one
-    L = as_acc(header, levels)
-    r = L / ((one if flagged or zeros else a) * lift)
-    k = as_acc(header, 1) / L
-    for g in range(0, m, G):
-        cnt = min(G, m - g)
-        word = np.uint32(0)
-        for i in range(cnt):
-            x = vals[_U(off + g + i)]
-            if flagged:
-                c = 0
-            elif zeros:                              # zeros keep their sign: -0.0 -> -1
-                c = np.int32(sign_code(x))
-            else:
-                c = np.int32(_code(x, (x * lift) * r, a, k, L, rmode))
-            word |= (np.uint32(c) & mask) << np.uint32(W * i)
-        _put(codes, at + (g // G) * GB, word, (W * cnt + 7) // 8)
-    header[b] = as_acc(header, np.inf) if flagged else a
+    r = L / (a * lift)
+    if rmode == ROUND_NEAREST:
+        _pack_as(vals, off, m, codes, lo, levels, 1, lift, r, a, k, L, rmode)
+    else:
+        _pack_as(vals, off, m, codes, lo, levels, 2, lift, r, a, k, L, rmode)
+    header[b] = a
+
+
+@njit(inline='always', **CACHE)
+def _ungroup(codes, c0, nbytes, cnt, W, k, a, dst, at, like):
+    """dst[at:at+cnt] = the decoded codes of the group at codes[c0:]."""
+    word = np.uint32(0)
+    for t in range(nbytes):
+        word |= np.uint32(codes[_U(c0 + t)]) << np.uint32(8 * t)
+    for i in range(cnt):
+        # sign-extend the W-bit field: to the top of an int32 and back
+        c = np.int32(word << np.uint32(32 - W * (i + 1))) >> np.int32(32 - W)
+        store(dst, _U(at + i), (as_acc(like, c) * k) * a)
+
+
+@njit(inline='always', **CACHE)
+def _unpack(header, codes, b, lo, m, levels, dst, at, W, G, GB):
+    """dst[at:at+m] = D(block b); W, G, GB constants as in _pack."""
+    k = as_acc(header, 1) / as_acc(header, levels)
+    a = header[b]
+    base = (lo // G) * GB
+    full = m // G
+    for g in range(full):
+        _ungroup(codes, base + g * GB, GB, G, W, k, a, dst, at + g * G, header)
+    rest = m - full * G
+    if rest:
+        _ungroup(codes, base + full * GB, (W * rest + 7) // 8, rest, W, k, a, dst,
+                 at + full * G, header)
 
 
 @njit(inline='always', **CACHE)
 def decode_block(header, codes, b, lo, m, levels, dst, at):
-    W, G, GB = shape(levels)
-    mask = np.uint32((1 << W) - 1)
-    top = np.int32(1 << W)
-    k = as_acc(header, 1) / as_acc(header, levels)
-    a = header[b]
-    base = (lo // G) * GB
-    for g in range(0, m, G):
-        cnt = min(G, m - g)
-        word = np.uint32(0)
-        c0 = base + (g // G) * GB
-        for t in range((W * cnt + 7) // 8):
-            word |= np.uint32(codes[_U(c0 + t)]) << np.uint32(8 * t)
-        for i in range(cnt):
-            c = np.int32((word >> np.uint32(W * i)) & mask)
-            if c > levels:
-                c -= top
-            store(dst, _U(at + g + i), (as_acc(header, c) * k) * a)
+    if levels == 3:
+        _unpack(header, codes, b, lo, m, levels, dst, at, 3, 8, 3)
+    else:
+        _unpack(header, codes, b, lo, m, levels, dst, at, 2, 4, 1)
 
 
 @njit(inline='always', **CACHE)

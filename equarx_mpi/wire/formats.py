@@ -305,7 +305,8 @@ def _e1(*errors):
 #: wire name -> Wire, in the order WIRES lists them.  e1: measured through
 #: the library (docs/ACCURACY.md) within 0.5% of the model for int8, fp8 and
 #: bf16; int4 lies 10-15% below it (an upper estimate there); int3, int2:
-#: docs/results/lowbit-e1.txt (measured, 2^22 values).  slower:
+#: docs/results/lowbit-e1.txt (measured, 2^22 values), their slower:
+#: docs/results/lowbit-kernels.txt (the same way, AMD EPYC).  slower:
 #: docs/results/formats-kernels.txt, one core, wires interleaved, default
 #: blocks; bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
 #: buy less error for few bytes (docs/FORMAT.md "int4").
@@ -327,10 +328,10 @@ REGISTRY = {
                         block=128, directed=True, slower=(1.75, 1.72, 1.60, 3.33)),
     "int3": Wire(lambda b, kd: LowBit("int3", b, kd),
                  _e1(0.2265, 0.2513, 0.2738, 0.2947, 0.3139, 0.3323, 0.3497, 0.3667), block=64, bits=3,
-                 directed=True, hops=False),
+                 directed=True, slower=(2.18, 2.01, 2.26, 4.12), hops=False),
     "int2": Wire(lambda b, kd: LowBit("int2", b, kd),
                  _e1(0.6579, 0.7178, 0.7667, 0.807, 0.8398, 0.8672, 0.8894, 0.9084), block=64, bits=2,
-                 directed=True, hops=False),
+                 directed=True, slower=(2.10, 1.97, 2.16, 3.81), hops=False),
 }
 WIRES = tuple(REGISTRY)
 #: the error-bounded mode's wire (abs_tol/rel_tol picks it; wire/mixed.py)
