@@ -304,11 +304,11 @@ def _e1(*errors):
 
 #: wire name -> Wire, in the order WIRES lists them.  e1: measured through
 #: the library (docs/ACCURACY.md) within 0.5% of the model for int8, fp8 and
-#: bf16; int4 lies 10-15% below it (an upper estimate there); int3, int2:
-#: docs/results/lowbit-e1.txt (measured, 2^22 values), their slower:
-#: docs/results/lowbit-kernels.txt (the same way, AMD EPYC).  slower:
+#: bf16; int4 lies 10-15% below it (an upper estimate there); int3 and int2
+#: measured (docs/results/lowbit-e1.txt, 2^22 values).  slower:
 #: docs/results/formats-kernels.txt, one core, wires interleaved, default
-#: blocks; bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
+#: blocks; int3, int2: docs/results/lowbit-kernels.txt (the same way, AMD
+#: EPYC); bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
 #: buy less error for few bytes (docs/FORMAT.md "int4").
 REGISTRY = {
     "int8": Wire(Int8Block, _e1(0.005337, 0.005922, 0.006444, 0.00695, 0.007406, 0.007865,
