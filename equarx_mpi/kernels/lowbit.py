@@ -83,8 +83,8 @@ def _put(codes, at, word, nbytes):
 @njit(inline='always', **CACHE)
 def _pack(vals, off, m, codes, lo, W, G, GB, mode, lift, r, a, k, L, rmode):
     """Codes of vals[off:off+m] into codes from value lo (a group's start)
-    on; W, G, GB constants at each call (groups of G codes of W bits in GB
-    bytes), so the group loops unroll."""
+    on, in groups of G codes of W bits in GB bytes (constants where the
+    group loops should unroll)."""
     at = (lo // G) * GB
     full = m // G
     for g in range(full):
@@ -98,11 +98,9 @@ def _pack(vals, off, m, codes, lo, W, G, GB, mode, lift, r, a, k, L, rmode):
 
 
 @njit(inline='always', **CACHE)
-def _pack_as(vals, off, m, codes, lo, levels, mode, lift, r, a, k, L, rmode):
-    if levels == 3:
-        _pack(vals, off, m, codes, lo, 3, 8, 3, mode, lift, r, a, k, L, rmode)
-    else:
-        _pack(vals, off, m, codes, lo, 2, 4, 1, mode, lift, r, a, k, L, rmode)
+def _shape(levels):
+    """(W bits a code, G codes a group, GB bytes a group) for L = levels."""
+    return (3, 8, 3) if levels == 3 else (2, 4, 1)
 
 
 @njit(**HELPER)
@@ -114,15 +112,16 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail)
     zero, one = as_acc(header, 0), as_acc(header, 1)
     if max_u >= abs_bits(as_acc(header, np.inf)):
         header[b] = np.inf                       # flagged: Inf or NaN inside, codes 0
-        W = 3 if levels == 3 else 2
+        W = _shape(levels)[0]
         at = _U(W * lo // 8)
         for j in range((W * m + 7) // 8):
             codes[at + _U(j)] = 0
         return
     L = as_acc(header, levels)
     k = one / L
+    W, G, GB = _shape(levels)
     if max_u == abs_bits(zero):
-        _pack_as(vals, off, m, codes, lo, levels, 0, one, one, zero, k, L, rmode)
+        _pack(vals, off, m, codes, lo, W, G, GB, 0, one, one, zero, k, L, rmode)
         header[b] = zero
         return
     a = from_abs_bits(max_u, zero)
@@ -130,10 +129,15 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail)
     if not a < tiny:
         lift = one
     r = L / (a * lift)
-    if rmode == ROUND_NEAREST:
-        _pack_as(vals, off, m, codes, lo, levels, 1, lift, r, a, k, L, rmode)
+    # to nearest (the sums) with each width's constants, so its group loops
+    # unroll; directed rounding (MAX/MIN) and zero blocks take one generic
+    # copy: fewer copies to compile (docs/PERFORMANCE.md "Cold start")
+    if rmode != ROUND_NEAREST:
+        _pack(vals, off, m, codes, lo, W, G, GB, 2, lift, r, a, k, L, rmode)
+    elif levels == 3:
+        _pack(vals, off, m, codes, lo, 3, 8, 3, 1, lift, r, a, k, L, rmode)
     else:
-        _pack_as(vals, off, m, codes, lo, levels, 2, lift, r, a, k, L, rmode)
+        _pack(vals, off, m, codes, lo, 2, 4, 1, 1, lift, r, a, k, L, rmode)
     header[b] = a
 
 
