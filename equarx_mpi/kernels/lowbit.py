@@ -10,8 +10,8 @@ accumulation type A:
     decoded x' = (c * k) * a,  k = 1 / L     (k rounded once to A)
 
 Codes are W-bit two's complement (W = 3 for L = 3, W = 2 for L = 1),
-packed in groups: int3 8 codes in 3 bytes, int2 4 codes in 1 byte; code j of a group sits at bits W*j of the group's
-little-endian word.  A piece's codes take ceil(W n / 8) bytes (a short last
+packed in groups: int3 8 codes in 3 bytes, int2 4 codes in 1 byte; code j
+of a group sits at bits W*j of the group's little-endian word.  A piece's codes take ceil(W n / 8) bytes (a short last
 group only the bytes it needs, its unused high bits 0).  fl(3 * fl(1/3))
 == 1 in float32 and float64 (and k = 1 for L = 1), so code +-L decodes to
 exactly +-a.  Zeros, flagged blocks, the 16-bit output limit and directed
@@ -130,8 +130,8 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail)
         lift = one
     r = L / (a * lift)
     # to nearest (the sums) with each width's constants, so its group loops
-    # unroll; directed rounding (MAX/MIN) and zero blocks take one generic
-    # copy: fewer copies to compile (docs/PERFORMANCE.md "Cold start")
+    # unroll; directed rounding (MAX/MIN) and zero blocks with the shapes as
+    # variables: fewer copies to compile (docs/PERFORMANCE.md "Cold start")
     if rmode != ROUND_NEAREST:
         _pack(vals, off, m, codes, lo, W, G, GB, 2, lift, r, a, k, L, rmode)
     elif levels == 3:
