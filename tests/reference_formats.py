@@ -1,4 +1,4 @@
-"""Plain numpy reference of the int4, fp8 and affine wire formats
+"""Plain numpy reference of the int4, int3, int2, fp8 and affine wire formats
 (docs/FORMAT.md), written from the spec and independent of the kernels:
 e4m3 rounding by frexp/ldexp arithmetic, e4m3 bits from ml_dtypes'
 float8_e4m3fn (its own conversion is correctly rounded from float32 but not
@@ -112,12 +112,18 @@ class Int4:
                 c = np.where((c * k) * A > vp, c - 1, c)
             c = np.where(finite[:, None] & (A > 0), c, 0)
             c = np.where(A == 0, -np.signbit(vp).astype(v.dtype), c)
-        return a, pack4(c.reshape(-1)[:n].astype(np.int64)), n
+        return a, self.pack(c.reshape(-1)[:n].astype(np.int64)), n
+
+    def pack(self, c):
+        return pack4(c)
+
+    def unpack(self, b, n):
+        return unpack4(b, n, signed=True)
 
     def dequantize(self, wire, block):
         a, packed, n = wire
         acc = a.dtype.type
-        c = unpack4(packed, n, signed=True).astype(a.dtype)
+        c = self.unpack(packed, n).astype(a.dtype)
         A = np.repeat(a, block)[:n]
         with np.errstate(invalid="ignore"):
             out = (c * (acc(1) / acc(self.L))) * A
@@ -131,6 +137,36 @@ class Int4:
 
     def magnitude(self, wire, block, n):
         return np.repeat(np.abs(wire[0]), block)[:n]
+
+
+def pack_bits(c, width):
+    """Codes as width-bit two's complement in one little-endian bit stream:
+    code j at bits width*j.. of the piece (int3: 8 codes in 3 bytes, int2: 4
+    in a byte); the last byte's unused high bits 0."""
+    c = np.asarray(c).astype(np.int64) & ((1 << width) - 1)
+    bits = ((c[:, None] >> np.arange(width)) & 1).astype(np.uint8).reshape(-1)
+    return np.packbits(bits, bitorder="little")
+
+
+def unpack_bits(b, n, width):
+    bits = np.unpackbits(np.asarray(b).view(np.uint8), bitorder="little")
+    c = (bits[:width * n].reshape(n, width).astype(np.int64) << np.arange(width)).sum(axis=1)
+    return np.where(c >= 1 << (width - 1), c - (1 << width), c)
+
+
+class LowBit(Int4):
+    """int3 (L = 3, 3-bit codes) and int2 (L = 1, ternary, 2-bit codes):
+    int4's coding with L levels each side, codes packed in a bit stream;
+    bound a/L * (1/2 + (5L + 1) u) + eta (docs/FORMAT.md "int3 and int2")."""
+
+    def __init__(self, levels, width):
+        self.L, self.width, self.ROUNDOFF = levels, width, 5 * levels + 1
+
+    def pack(self, c):
+        return pack_bits(c, self.width)
+
+    def unpack(self, b, n):
+        return unpack_bits(b, n, self.width)
 
 
 def e4m3_round(y):
@@ -322,4 +358,6 @@ class Affine:
 
 
 INT4, FP8, INT8_AFFINE, INT4_AFFINE = Int4(), Fp8(), Affine(255), Affine(15)
-CODECS = {"int4": INT4, "fp8": FP8, "int8-affine": INT8_AFFINE, "int4-affine": INT4_AFFINE}
+INT3, INT2 = LowBit(3, 3), LowBit(1, 2)
+CODECS = {"int4": INT4, "fp8": FP8, "int8-affine": INT8_AFFINE, "int4-affine": INT4_AFFINE,
+          "int3": INT3, "int2": INT2}

@@ -20,6 +20,7 @@ from jobs import MPIRUN, run_job
 from equarx_mpi import names
 from equarx_mpi.call import options, policy
 from equarx_mpi.call.validate import BFLOAT16
+from equarx_mpi.collectives import registry
 from equarx_mpi.model import costmodel, profiles
 from equarx_mpi.names import Layout
 
@@ -177,14 +178,15 @@ def test_error_model():
     # hierarchical: the error of the node count
     assert costmodel.error("hierarchical", "int8", 256, 64, 8) == costmodel.error(
         "two_shot", "int8", 256, 8, 8)
-    for wire in ("int8", "int4", "int8-affine", "int4-affine"):
+    for wire in ("int8", "int4", "int8-affine", "int4-affine", "int3", "int2"):
         es = [costmodel.E1[wire][b] for b in sorted(costmodel.E1[wire])]
         assert all(a < b for a, b in zip(es, es[1:])), wire
 
 
 @pytest.mark.parametrize("wire,block", [("int8", 256), ("int8", 32), ("int8", 4096),
                                         ("fp8", 256), ("bf16", 256), ("int4", 64),
-                                        ("int8-affine", 256)])
+                                        ("int8-affine", 256), ("int3", 64), ("int2", 64),
+                                        ("int3", 1024)])
 def test_one_quantization_error_is_as_tabulated(wire, block):
     """E1, the base of the error model: the relative L2 error of one
     encode + decode of standard-normal float32 values."""
@@ -254,6 +256,26 @@ def test_accuracy_wins_near_ties():
         (meth, _), m = _choose(1024, 1, n)
         if meth == "ring":
             assert m.time("two_shot", n, 4) > m.time("ring", n, 4) * policy.NEAR_TIE
+
+
+@pytest.mark.parametrize("wire", ["int3", "int2"])
+def test_auto_never_requantizes_low_bit_wires_at_every_hop(wire):
+    """int3 and int2: auto never takes the ring or rabenseifner (partial sums
+    requantized at every hop), yet still quantizes (two-shot, or
+    hierarchical over it) where the link binds; a named ring still runs."""
+    seen = set()
+    for nodes, rpn in LAYOUTS:
+        for n in SIZES:
+            meth = _choose(nodes, rpn, n, wire=wire)[0][0]
+            assert meth not in ("ring", "rabenseifner"), (wire, nodes, rpn, n, meth)
+            seen.add(meth)
+    assert seen & {"two_shot", "hierarchical"}, seen
+    assert _choose(4, 1, 64 << 20, wire=wire, algorithm="ring")[0][0] == "ring"
+    for kind in ("allreduce", "reduce_scatter"):
+        assert registry.SCHEDULES["ring"].requantizes(kind)
+        assert registry.SCHEDULES["rabenseifner"].requantizes(kind)
+        assert not registry.SCHEDULES["two_shot"].requantizes(kind)
+    assert not registry.SCHEDULES["ring"].requantizes("allgather")
 
 
 def test_auto_leaves_hierarchical_out_at_one_rank_per_node():

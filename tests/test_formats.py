@@ -1,4 +1,4 @@
-"""The int4, fp8 and affine wire formats: numba kernels (through the format
+"""The int4, int3, int2, fp8 and affine wire formats: numba kernels (through the format
 classes) against the numpy reference bit for bit, the formats' promises,
 and the C reference (native/equarx_formats.c) against numba bit for bit.
 
@@ -21,6 +21,8 @@ from equarx_mpi.wire import formats
 
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 WIRES = list(CODECS)
+#: the wires native/equarx_formats.c implements
+C_WIRES = ["int4", "fp8", "int8-affine", "int4-affine"]
 OPS = {"sum": K.OP_SUM, "max": K.OP_MAX, "min": K.OP_MIN}
 ROUND = {"nearest": K.ROUND_NEAREST, "up": K.ROUND_UP, "down": K.ROUND_DOWN}
 
@@ -177,9 +179,9 @@ def test_fused_hop_and_decode_reduce_match_reference(wire, dtype, op, rounding):
 
 def test_decode_extremes_identities():
     """The checks the formats rest on: fl(L * fl(1/L)) == 1 in float32 and
-    float64, for L = 7 (int4), 448 (fp8), 15 and 255 (affine)."""
+    float64, for L = 7 (int4), 3 (int3), 448 (fp8), 15 and 255 (affine)."""
     for t in (np.float32, np.float64):
-        for L in (7, 448, 15, 255):
+        for L in (7, 3, 448, 15, 255):
             assert t(L) * (t(1) / t(L)) == 1, (t, L)
 
 
@@ -209,7 +211,8 @@ def test_e4m3_rounding():
 def test_layout_and_bytes_per_value():
     """Headers first, then the codes, padded to 8 bytes."""
     n = 1001                      # 4 blocks of 256, the last one short and odd
-    codes = {"int4": 501, "fp8": 1001, "int8-affine": 1001, "int4-affine": 501}
+    codes = {"int4": 501, "fp8": 1001, "int8-affine": 1001, "int4-affine": 501,
+             "int3": 376, "int2": 251}        # ceil(3 n / 8), ceil(2 n / 8)
     for wire, c in codes.items():
         heads = 2 if "affine" in wire else 1
         for dt, size in ((np.float32, 4), (np.float64, 8)):
@@ -225,11 +228,13 @@ def test_default_block_per_wire():
     """block_size=None (the default) is the wire's own; a given size wins;
     bits=4 is int4."""
     want = {"int8": 256, "int4": 64, "fp8": 256, "int8-affine": 256, "int4-affine": 128,
-            "bf16": 256}
+            "bf16": 256, "int3": 64, "int2": 64}
     for wire, block in want.items():
         assert options.resolve(dict(wire=wire))["block_size"] == block, wire
         assert options.resolve(dict(wire=wire, block_size=1024))["block_size"] == 1024
     assert options.resolve(dict(bits=4)) == options.resolve(dict(wire="int4"))
+    assert options.resolve(dict(bits=3)) == options.resolve(dict(wire="int3"))
+    assert options.resolve(dict(bits=2)) == options.resolve(dict(wire="int2"))
     with pytest.raises(ValueError, match="power of two"):
         options.resolve(dict(wire="int4", block_size=48))
 
@@ -288,7 +293,7 @@ def cformats():
 
 
 @pytest.mark.parametrize("block", [2, 32, 256, 4096])
-@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("wire", C_WIRES)
 def test_c_and_numba_agree(cformats, wire, block):
     from test_native import cases as native_cases
     c_enc, c_dec, c_red, c_fused = cformats.ops(wire, block)

@@ -224,3 +224,41 @@ def test_an_error_on_one_rank_is_raised_everywhere(opts):
     with QuantizedComm(WORLD, **opts) as qc:
         qc.Allreduce(x, np.empty_like(x))
         raises_everywhere(ValueError, lambda: qc.Allreduce(x, out), "read-only")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("wire", ["int3", "int2"])
+def test_auto_runs_low_bit_wires_on_two_shot(wire):
+    """int3 and int2 (docs/FORMAT.md "int3 and int2"): auto never takes a
+    schedule that requantizes partial sums at every hop.  On one node the
+    built-in profile keeps them exact; faked as one rank per node (the link
+    binds) it quantizes them, on two-shot, bitwise two-shot's result by
+    name.  (At 1-4 ranks two-shot also wins without the rule; the rule's
+    own test, over layouts where the ring would win, is
+    test_costmodel.py::test_auto_never_requantizes_low_bit_wires_at_every_hop.)"""
+    P = WORLD.Get_size()
+    old = os.environ.get("EQUARX_MPI_FAKE_NODES")
+    os.environ["EQUARX_MPI_FAKE_NODES"] = f"{P}x1"
+    picked = set()
+    try:
+        with QuantizedComm(WORLD, algorithm="auto", wire=wire) as qc:
+            for n in (1 << 20, 8 << 20):
+                x = data(n, seed=n)
+                y = np.empty_like(x)
+                qc.Allreduce(x, y)
+                m = qc.last_call.method
+                same_everywhere(m, "method")
+                picked.add(m)
+                everywhere(m in policy.EXACT + ("two_shot",), f"{wire} {n} B: {m}")
+                if m == "two_shot":
+                    with QuantizedComm(WORLD, algorithm="two_shot", wire=wire,
+                                       min_quantized_bytes=0) as named:
+                        z = np.empty_like(x)
+                        named.Allreduce(x, z)
+                    everywhere(bitwise(y, z), f"{wire} {n} B: auto against two_shot by name")
+    finally:
+        if old is None:
+            os.environ.pop("EQUARX_MPI_FAKE_NODES")
+        else:
+            os.environ["EQUARX_MPI_FAKE_NODES"] = old
+    everywhere(P == 1 or "two_shot" in picked, f"{wire}: auto quantized nothing: {picked}")

@@ -65,6 +65,9 @@ CASES = [  # (algorithm, wire, rounding, dtype, calls, in place)
     ("two_shot", "int8-affine", "nearest", np.float64, 100, True),
     ("two_shot", "int8", "nearest", np.float16, 200, False),
     ("ring", "int8", "nearest", np.float64, 200, True),
+    ("ring", "int3", "nearest", np.float32, 200, False),
+    ("two_shot", "int3", "nearest", np.float32, 200, True),
+    ("two_shot", "int2", "nearest", np.float32, 200, False),
 ]
 
 
@@ -85,8 +88,8 @@ def test_running_sum_stays_within_the_last_residuals(case):
     # levels L: a rounding loses at most h / L of its block's largest
     # magnitude (fp8 e4m3: half a unit of 3 fraction bits, 1/16 of the value;
     # int8-affine: a step is the range / 255, at most 2 A / 255)
-    L = {"int8": 127, "int4": 7, "fp8": 8, "int8-affine": 127}[wire]
-    x = biased(1000, dt, r, block=64 if wire == "int4" else 256)
+    L = {"int8": 127, "int4": 7, "fp8": 8, "int8-affine": 127, "int3": 3, "int2": 1}[wire]
+    x = biased(1000, dt, r, block=64 if wire in ("int4", "int3", "int2") else 256)
     opts = dict(algorithm=alg, wire=wire, rounding=rounding, min_quantized_bytes=0)
     with QuantizedComm(WORLD, **opts) as qc:
         ef = ErrorFeedback()
@@ -126,6 +129,44 @@ def test_running_sum_stays_within_the_last_residuals(case):
     everywhere(plain[-1] > margin * dist.max(), f"without feedback the distance grows: "
                                                 f"{plain[-1]:.4g} after {calls} calls vs "
                                                 f"{dist.max():.4g} with it")
+
+
+@pytest.mark.parametrize("wire", ["int3", "int2"])
+def test_low_bit_two_shot_residual_is_bounded_at_any_rank_count(wire):
+    """Two-shot quantizes a value at most twice, the owner's own share not
+    at all, so (docs/ERROR_FEEDBACK.md "Low-bit wires") with c = h/L (1 +
+    O(u)) < 1 a sender's residual is at most E_s = c A / (1 - c) and an
+    owner's at most E_o = c (P A + (P - 1) E_s) / (1 - c), whatever the
+    number of calls: a bound that holds at every P, where the ring's
+    (P h < L) fails for int2 from 2 ranks and for int3 from 6."""
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    x = (np.random.default_rng(r + 5).standard_normal(1000) * 0.5).astype(np.float32)
+    x[::64] = 1.0
+    with QuantizedComm(WORLD, algorithm="two_shot", wire=wire, min_quantized_bytes=0) as qc:
+        ef = ErrorFeedback()
+        dist, res, run = running_distances(qc, x, 300, ef)
+        plain = running_distances(qc, x, 300, None)[0]
+    if P == 1:
+        everywhere(dist.max() == 0, "one rank: exact")
+        return
+    L = {"int3": 3, "int2": 1}[wire]
+    u = unit_roundoff(np.float32)
+    c = (0.5 + (5 * L + 1) * u) / L * (1 + 4 * P * u)
+    A = WORLD.allreduce(float(np.abs(x).max()), MPI.MAX)
+    e_s = c * A / (1 - c)
+    e_o = c * (P * A + (P - 1) * e_s) / (1 - c)
+    mine = WORLD.allreduce(float(np.abs(ef.residual).max()), MPI.MAX)
+    everywhere(mine <= e_o, f"largest residual {mine:.4g} <= {e_o:.4g}")
+    everywhere((res <= P * e_o).all(), f"sum of max |residual| {res.max():.4g} <= {P * e_o:.4g}")
+    slack = 300 * (P + 2) * P * A * u * 2
+    everywhere((dist <= res + slack).all(), f"distance {dist.max():.4g} within the residuals")
+    everywhere(plain[-1] > 9 * plain[29] and plain[-1] > 5 * dist.max(),
+               f"without feedback the distance grows: {plain[29]:.4g} after 30 calls, "
+               f"{plain[-1]:.4g} after 300; with it at most {dist.max():.4g}")
+    if r == 0:
+        print(f"\n{wire} two-shot P={P}: distance with feedback {dist.max():.4g}, largest "
+              f"residual {mine:.4g} (bound {e_o:.4g}), sum of residuals {res.max():.4g}; "
+              f"without: {plain[29]:.4g} after 30 calls, {plain[-1]:.4g} after 300")
 
 
 def test_bitwise_reproducible_and_identical_on_ranks():

@@ -15,7 +15,8 @@ algorithm="auto" picks, per call, the fastest predicted method among those
 allowed: the exact ones (MPI; the shared window on one node) and the
 quantized ones (ring; two-shot; rabenseifner; hierarchical on several
 nodes of equal size) whose error on standard-normal data (costmodel.error) is within
-``accuracy``; among quantized ones the most accurate within NEAR_TIE of
+``accuracy``, and for the 2-3-bit wires (int3, int2) none that requantizes
+partial sums at every hop; among quantized ones the most accurate within NEAR_TIE of
 the fastest wins."""
 
 import numpy as np
@@ -30,7 +31,7 @@ from equarx_mpi.names import (  # noqa: F401 (EXACT: policy's word)
     dtype_name,
     rounding,
 )
-from equarx_mpi.wire.formats import DIRECTED_WIRES
+from equarx_mpi.wire.formats import DIRECTED_WIRES, NO_HOP_WIRES
 
 #: auto takes the exact shared window from this size only: below it the
 #: window's two synchronizations cost more than MPI's small-message
@@ -163,8 +164,12 @@ def _lossy_candidates(opts, what, layout, error, feedback):
     # another name (crossover() takes any): a reduction, not an Allreduce
     kind = KINDS.get(what, "reduce_scatter")
     if alg == "auto":
+        # the 2-3-bit wires: each value quantized at most twice (two-shot),
+        # never once per hop (docs/FORMAT.md "int3 and int2")
+        hops = opts["wire"] not in NO_HOP_WIRES
         cands = [name for name, s in SCHEDULES.items()
-                 if kind in s.kinds and s.fits(layout, True) and (s.feedback or not feedback)]
+                 if kind in s.kinds and s.fits(layout, True) and (s.feedback or not feedback)
+                 and (hops or not s.requantizes(kind))]
         why = "auto"
     else:
         s = SCHEDULES[alg]

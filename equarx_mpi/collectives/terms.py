@@ -62,6 +62,13 @@ class Schedule:
         if not self.kinds:
             object.__setattr__(self, "kinds", tuple(self.needs))
 
+    def requantizes(self, kind):
+        """Whether it requantizes partial sums at every hop for ``kind``:
+        its kernels include the one-input fused hop (the ring's and
+        rabenseifner's reductions; not two-shot's, whose owner quantizes a
+        sum once, nor an all-gather's forwarding)."""
+        return "decode_reduce_encode" in self.needs.get(kind, ())
+
 
 def overlap(comm, comp, chunks):
     """A pipelined phase: the longer of the two, plus the part of the

@@ -69,6 +69,12 @@ from equarx_mpi.kernels.int8 import (  # noqa: E402,F401
     i8_encode,
 )
 from equarx_mpi.kernels.int8_many import i8_decode_reduce_encode_many, i8_decode_reduce_many  # noqa: E402,F401
+from equarx_mpi.kernels.lowbit import (  # noqa: E402,F401
+    lb_decode,
+    lb_decode_reduce,
+    lb_decode_reduce_encode,
+    lb_encode,
+)
 from equarx_mpi.kernels.mixed import META as MX_META  # noqa: E402,F401
 from equarx_mpi.kernels.mixed import mx_block_errors, mx_decode, mx_encode  # noqa: E402,F401
 from equarx_mpi.kernels.mixed_many import mx_decode_reduce_encode_many, mx_decode_reduce_many  # noqa: E402,F401

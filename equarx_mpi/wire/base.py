@@ -38,7 +38,8 @@ import math
 
 import numpy as np
 
-from equarx_mpi.names import acc_dtype  # noqa: F401 (the formats' word for it)
+from equarx_mpi.bounds import bound
+from equarx_mpi.names import ROUND_NEAREST, acc_dtype  # noqa: F401 (acc_dtype: the formats' word for it)
 from equarx_mpi.wire.streams import Streams
 
 
@@ -107,3 +108,22 @@ class Format(Streams):
             self._skipped = np.empty(nb, np.int64)
         return self._skipped
 
+
+class _Symmetric(Format):
+    """A block format whose header is the block's largest magnitude ``a``
+    and whose quantization error is at most coef * a + eta (docs/FORMAT.md):
+    coef from ``_coefs(u)`` = (to nearest, directed)."""
+
+    def __init__(self, block, kdtype):
+        super().__init__(block, kdtype)
+        self.head = acc_dtype(kdtype)
+        u, self._eta = bound.acc_rounding(self.head)
+        self._coef = self._coefs(u)
+
+    def block_errors(self, w, rmode):
+        a = w[0].astype(np.float64)
+        return self._coef[rmode != ROUND_NEAREST] * a + self._eta, a
+
+    def piece_error(self, w, rmode, limit=math.inf):
+        a = _largest_below(w[0], limit)
+        return self._coef[rmode != ROUND_NEAREST] * a + self._eta, a

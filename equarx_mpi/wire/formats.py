@@ -9,29 +9,10 @@ import numpy as np
 
 from equarx_mpi import kernels as K
 from equarx_mpi.bounds import bound
-from equarx_mpi.wire.base import Format, _largest_below, acc_dtype, pad8
+from equarx_mpi.wire.base import Format, _Symmetric, acc_dtype, pad8
+from equarx_mpi.wire.lowbit import LowBit
 from equarx_mpi.wire.many import ComposedMany
 from equarx_mpi.wire.mixed import Mixed
-
-
-class _Symmetric(Format):
-    """A block format whose header is the block's largest magnitude ``a``
-    and whose quantization error is at most coef * a + eta (docs/FORMAT.md):
-    coef from ``_coefs(u)`` = (to nearest, directed)."""
-
-    def __init__(self, block, kdtype):
-        super().__init__(block, kdtype)
-        self.head = acc_dtype(kdtype)
-        u, self._eta = bound.acc_rounding(self.head)
-        self._coef = self._coefs(u)
-
-    def block_errors(self, w, rmode):
-        a = w[0].astype(np.float64)
-        return self._coef[rmode != K.ROUND_NEAREST] * a + self._eta, a
-
-    def piece_error(self, w, rmode, limit=math.inf):
-        a = _largest_below(w[0], limit)
-        return self._coef[rmode != K.ROUND_NEAREST] * a + self._eta, a
 
 
 class Int8Block(_Symmetric):
@@ -311,6 +292,10 @@ class Wire(NamedTuple):
     #: its kernels' times over int8's (encode, decode, decode_reduce and
     #: many, hop) where a profile measured int8's only (model/costmodel.py)
     slower: tuple = (1.0, 1.0, 1.0, 1.0)
+    #: algorithm="auto" may run it on a schedule that requantizes partial
+    #: sums at every hop (ring, rabenseifner); False for the 2-3-bit wires,
+    #: whose step is too coarse to stack P - 1 times (policy.py)
+    hops: bool = True
 
 
 def _e1(*errors):
@@ -319,9 +304,11 @@ def _e1(*errors):
 
 #: wire name -> Wire, in the order WIRES lists them.  e1: measured through
 #: the library (docs/ACCURACY.md) within 0.5% of the model for int8, fp8 and
-#: bf16; int4 lies 10-15% below it (an upper estimate there).  slower:
+#: bf16; int4 lies 10-15% below it (an upper estimate there); int3 and int2
+#: measured (docs/results/lowbit-e1.txt, 2^22 values).  slower:
 #: docs/results/formats-kernels.txt, one core, wires interleaved, default
-#: blocks; bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
+#: blocks; int3, int2: docs/results/lowbit-kernels.txt (the same way, AMD
+#: EPYC); bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
 #: buy less error for few bytes (docs/FORMAT.md "int4").
 REGISTRY = {
     "int8": Wire(Int8Block, _e1(0.005337, 0.005922, 0.006444, 0.00695, 0.007406, 0.007865,
@@ -339,6 +326,12 @@ REGISTRY = {
     "int4-affine": Wire(lambda b, kd: AffineBlock("int4-affine", b, kd),
                         _e1(0.07826, 0.08951, 0.09965, 0.1092, 0.1173, 0.1248, 0.1325, 0.1398),
                         block=128, directed=True, slower=(1.75, 1.72, 1.60, 3.33)),
+    "int3": Wire(lambda b, kd: LowBit("int3", b, kd),
+                 _e1(0.2265, 0.2513, 0.2738, 0.2947, 0.3139, 0.3323, 0.3497, 0.3667), block=64, bits=3,
+                 directed=True, slower=(2.18, 2.01, 2.26, 4.12), hops=False),
+    "int2": Wire(lambda b, kd: LowBit("int2", b, kd),
+                 _e1(0.6579, 0.7178, 0.7667, 0.807, 0.8398, 0.8672, 0.8894, 0.9084), block=64, bits=2,
+                 directed=True, slower=(2.10, 1.97, 2.16, 3.81), hops=False),
 }
 WIRES = tuple(REGISTRY)
 #: the error-bounded mode's wire (abs_tol/rel_tol picks it; wire/mixed.py)
@@ -349,6 +342,8 @@ BITS_TO_WIRE = dict(sorted((w.bits, name) for name, w in REGISTRY.items() if w.b
 DIRECTED_WIRES = tuple(name for name, w in REGISTRY.items() if w.directed)
 #: wires that can round stochastically (rounding="stochastic")
 STOCHASTIC_WIRES = tuple(name for name, w in REGISTRY.items() if w.stochastic)
+#: wires algorithm="auto" keeps off schedules that requantize at every hop
+NO_HOP_WIRES = tuple(name for name, w in REGISTRY.items() if not w.hops)
 
 
 #: wires that can travel rotated (option rotate): the block wires, not the
