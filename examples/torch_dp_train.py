@@ -23,6 +23,8 @@ one epoch each in turn, so a busy machine slows them alike.  Methods:
   hook-int4-rot-ef  the hook with wire="int4", rotate=True and error feedback
                 (the residual kept rotated); algorithm="auto" still decides
                 where it travels lossy (on one node: MPI's exact sum)
+  hook-int3-ef, hook-int2-ef  the hook with wire="int3" / "int2" and error
+                feedback (auto runs them on two-shot, never the ring)
   bf16-hook     DDP on gloo + torch's bf16_compress_hook (its body: torch
                 2.13's hook refuses to run without CUDA 11+ and NCCL 2.10+,
                 though nothing in it needs them)
@@ -73,10 +75,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dp_digits import load_data as digits  # noqa: E402
 
 METHODS = ("gloo", "equarx-exact", "equarx-int8", "hook", "hook-ef", "hook-int4-rot-ef",
-           "bf16-hook", "powersgd", "perchannel", "local")
+           "hook-int3-ef", "hook-int2-ef", "bf16-hook", "powersgd", "perchannel", "local")
 #: the hook's methods: HookState's options (feedback: error feedback)
 HOOKS = {"hook": {}, "hook-ef": dict(feedback=True),
-         "hook-int4-rot-ef": dict(wire="int4", rotate=True, feedback=True)}
+         "hook-int4-rot-ef": dict(wire="int4", rotate=True, feedback=True),
+         "hook-int3-ef": dict(wire="int3", feedback=True),
+         "hook-int2-ef": dict(wire="int2", feedback=True)}
 WIDTH = 3072
 BATCH = 64
 

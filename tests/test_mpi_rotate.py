@@ -49,7 +49,8 @@ def same_everywhere(y):
 @pytest.mark.parametrize("alg,wire,size,n", [
     ("ring", "int8", True, 5000), ("two_shot", "int4", True, 4099),
     ("rabenseifner", "int8", 64, 3001), ("ring", "fp8", 32, 777),
-    ("two_shot", "int8-affine", True, 2048), ("ring", "int4", 8, 131)])
+    ("two_shot", "int8-affine", True, 2048), ("ring", "int4", 8, 131),
+    ("two_shot", "int3", True, 3000), ("two_shot", "int2", 32, 1029)])
 def test_allreduce_is_the_call_on_rotated_inputs(alg, wire, size, n):
     r = WORLD.Get_rank()
     x = heavy(n, r)
@@ -107,7 +108,8 @@ def test_reduce_scatter_and_allgather_rotate_each_shard(in_place):
     everywhere(np.array_equal(gathered, wg), "Allgather: the reference's")
 
 
-@pytest.mark.parametrize("wire", ["int8", "int4", "fp8", "int8-affine", "int4-affine"])
+@pytest.mark.parametrize("wire", ["int8", "int4", "fp8", "int8-affine", "int4-affine", "int3",
+                                  "int2"])
 @pytest.mark.parametrize("alg", ["ring", "two_shot", "rabenseifner"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16])
 def test_bound_holds(wire, alg, dtype):
@@ -244,15 +246,16 @@ def test_nonblocking_persistent_and_wrapped_calls_rotate():
         everywhere(info.rotation == 64, f"persistent call rotated: {info}")
 
 
-@pytest.mark.parametrize("wire", ["int8", "int4"])
-def test_feedback_keeps_a_rotated_residual(wire):
+@pytest.mark.parametrize("wire,alg", [("int8", "ring"), ("int4", "ring"), ("int3", "two_shot"),
+                                      ("int2", "two_shot")])
+def test_feedback_keeps_a_rotated_residual(wire, alg):
     """The running sum stays within the last residuals (telescoping), the
     residual is given in the caller's values, and an exact path in between
     turns it back once, without losing it."""
     P, r = WORLD.Get_size(), WORLD.Get_rank()
     x = heavy(3000, r)
     exact = WORLD.allreduce(x.astype(np.float64))
-    with QuantizedComm(WORLD, **opts(wire=wire, rotate=True)) as qc:
+    with QuantizedComm(WORLD, **opts(wire=wire, rotate=True, algorithm=alg)) as qc:
         ef, run, out = ErrorFeedback(), np.zeros(x.size), np.empty_like(x)
         for t in range(40):
             if t == 20:
@@ -262,7 +265,7 @@ def test_feedback_keeps_a_rotated_residual(wire):
                 qc.Allreduce(x, out, feedback=ef)
             run += out.astype(np.float64) - exact
         total = WORLD.allreduce(ef.residual.astype(np.float64))
-        with QuantizedComm(WORLD, **opts(wire=wire)) as plain:
+        with QuantizedComm(WORLD, **opts(wire=wire, algorithm=alg)) as plain:
             drift = np.zeros(x.size)
             for t in range(40):
                 plain.Allreduce(x, out)

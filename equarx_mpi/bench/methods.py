@@ -73,6 +73,14 @@ METHODS = {
                        dict(RING, wire="int4", block_size=64, rotate=True)),
     "int8-rot": Method("int8 ring at every size, rotated (rotate=True)",
                        dict(RING, wire="int8", rotate=True)),
+    "int4-rot-2shot": Method("int4 two-shot at every size, block 64, rotated (rotate=True)",
+                             dict(EVERY, wire="int4", block_size=64, rotate=True,
+                                  algorithm="two_shot")),
+    "int3": Method("int3 two-shot at every size, block 64 (its own, whatever --block says)",
+                   dict(EVERY, wire="int3", block_size=64, algorithm="two_shot")),
+    "int2": Method("int2 (ternary) two-shot at every size, block 64 (its own, whatever "
+                   "--block says)", dict(EVERY, wire="int2", block_size=64,
+                                         algorithm="two_shot")),
     "fp8": Method("fp8 (e4m3) ring at every size", dict(RING, wire="fp8")),
     "int8-aff": Method("int8-affine ring at every size (codes between each block's minimum "
                        "and maximum)", dict(RING, wire="int8-affine")),
