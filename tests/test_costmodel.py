@@ -410,3 +410,19 @@ def test_named_methods_report_what_runs_for_the_halves():
                                m, wrapped=w)[0] for n in (8, 1 << 12, 1 << 20, 1 << 26)}
              for w in (False, True)}
     assert "shm" in picks[False] and picks[True] == {"mpi"}, picks
+
+
+def test_rotation_costs_the_quantized_methods_two_passes():
+    """option rotate: the model adds two rotation passes a value (ROTATE_S,
+    ranks sharing a core share it) to every quantized method, nothing to
+    the exact ones, so auto stays exact where rotating would not pay."""
+    prof = profiles.builtin()
+    plain = costmodel.Model(prof, 4, 1, "int4", 64)
+    rot = costmodel.Model(prof, 4, 1, "int4", 64, rotate=True)
+    n = 16 << 20
+    for method in ("ring", "two_shot", "rabenseifner"):
+        extra = rot.time(method, n, 4) - plain.time(method, n, 4)
+        assert extra == pytest.approx(2 * costmodel.ROTATE_S * n / 4), method
+    assert rot.time("mpi", n, 4) == plain.time("mpi", n, 4)
+    crowded = costmodel.Model(prof, 1, 4 * prof["cores"], "int4", 64, rotate=True)
+    assert crowded.rotation("ring", n, 4) == pytest.approx(4 * rot.rotation("ring", n, 4))

@@ -4,7 +4,7 @@ with and without a randomized Hadamard rotation before it quantizes.
     python -m equarx_mpi.bench quality [--n N] [--size S] [--wires W,W]
         [--data gaussian,heavy,minilm] [--ranks P] [--json F] [--plot F.png]
 
-One process, no MPI, float32.  For every block wire (int8, int4, fp8,
+One process, no MPI, float32.  For every block wire (int8, int4, fp8, int3, int2,
 int8-affine, int4-affine at their default blocks, or --block) and every
 data set, the values go through ONE encode and decode of the library's own
 format (wire/formats.py), as they are, and rotated first (kernels/rotate.py:

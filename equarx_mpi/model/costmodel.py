@@ -239,6 +239,10 @@ CORRECTED_LIKE = {name: s.corrected_like for name, s in SCHEDULES.items() if s.c
 
 
 #: Sizes the model is tabulated at: quarter octaves from 256 B to 28 GiB.
+#: one rotation pass (rotate, or rotate back), seconds a value on one core
+#: (docs/results/rotate-kernels.txt: 1.6-2.2 ns at sizes 32-256, AMD EPYC;
+#: not measured by tune): a rotated call (option rotate) makes two
+ROTATE_S = 2.0e-9
 GRID = [(4 + k % 4) << (6 + k // 4) for k in range(4 * 27)]
 
 
@@ -264,9 +268,12 @@ class Model:
     rank): ``time(method, nbytes, itemsize, dtype_name)``;
     ``error(method)``."""
 
-    def __init__(self, profile, nodes, rpn, wire, block, chunks=None, threads=1):
+    def __init__(self, profile, nodes, rpn, wire, block, chunks=None, threads=1, rotate=False):
         self.profile, self.nodes, self.rpn = profile, nodes, rpn
         self.wire, self.block, self.chunks = wire, block, chunks
+        #: option rotate: quantized calls pay two rotation passes ("auto": charged
+        #: too, as the call may rotate)
+        self.rotate = bool(rotate)
         #: threads beyond the cores of a rank's share of the node gain nothing
         self.threads = max(1, min(threads, profile["cores"] // rpn))
         self._hw, self._wire_bytes, self._ratios, self._tables = {}, {}, {}, {}
@@ -355,6 +362,10 @@ class Model:
                           * self.correction(method, n))
                 ts.append(top)
             ts = self._tables[key] = ts
+        return self._table(ts, nbytes) + self.rotation(method, nbytes, itemsize)
+
+    @staticmethod
+    def _table(ts, nbytes):
         if nbytes <= GRID[0]:
             return ts[0]
         if nbytes >= GRID[-1]:
@@ -362,6 +373,14 @@ class Model:
         i = _grid_index(nbytes)
         a, b = GRID[i], GRID[i + 1]
         return ts[i] + (nbytes - a) / (b - a) * (ts[i + 1] - ts[i])
+
+    def rotation(self, method, nbytes, itemsize):
+        """Seconds a rotated call adds to a quantized method: each rank's
+        rotation and rotation back of its values, one core per rank at most."""
+        if not self.rotate or method not in SCHEDULES:
+            return 0.0
+        share = max(1.0, self.rpn / self.profile["cores"])     # ranks sharing a core
+        return 2 * ROTATE_S * nbytes / itemsize * share
 
     def error(self, method, rounding="nearest"):
         """Relative L2 error on standard-normal data (module ``error``)."""
