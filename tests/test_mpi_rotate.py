@@ -223,10 +223,11 @@ def test_bad_options_raise_on_every_rank():
                           lambda: QuantizedComm(WORLD, rotate=True, seed=WORLD.Get_rank()), "seed")
 
 
-def test_nonblocking_persistent_and_wrapped_calls_rotate():
+@pytest.mark.parametrize("rotate", [True, "auto"])
+def test_nonblocking_persistent_and_wrapped_calls_rotate(rotate):
     r = WORLD.Get_rank()
     x = heavy(4000, r)
-    with QuantizedComm(WORLD, **opts(wire="int4", rotate=True)) as qc:
+    with QuantizedComm(WORLD, **opts(wire="int4", rotate=rotate)) as qc:
         want = np.empty_like(x)
         qc.Allreduce(x, want)
         a = np.empty_like(x)
@@ -237,7 +238,7 @@ def test_nonblocking_persistent_and_wrapped_calls_rotate():
         req.Wait()
         req.Free()
         info = qc.last_call
-    wc = equarx_mpi.wrap(WORLD, **opts(wire="int4", rotate=True))
+    wc = equarx_mpi.wrap(WORLD, **opts(wire="int4", rotate=rotate))
     c = np.empty_like(x)
     wc.Allreduce(x, c)
     everywhere(np.array_equal(a, want) and np.array_equal(b, want) and np.array_equal(c, want),
