@@ -279,3 +279,41 @@ def test_bench_quality(tmp_path, capsys, monkeypatch):
     assert r["sum_rel_l2"] * 3 < rows["heavy", "int8", 0]["sum_rel_l2"]
     assert quality.block_wires() == ["int8", "int4", "fp8", "int8-affine", "int4-affine", "int3",
                                      "int2"]
+
+
+def test_rotate_option_values_and_environment(monkeypatch):
+    """rotate= takes False, True, "auto" or a power of two up to the block;
+    EQUARX_MPI_ROTATE the same spelt as text; a bad value is a ValueError
+    in code and a warning from the environment."""
+    from equarx_mpi.call import options
+    assert options.resolve({})["rotate"] is False
+    for given in (True, "auto", 2, 64, 256):
+        assert options.resolve(dict(rotate=given))["rotate"] == given
+    assert options.resolve(dict(rotate=np.bool_(True)))["rotate"] is True
+    for bad, text in ((1, "power of two"), (3, "power of two"), (512, "power of two"),
+                      ("yes", "power of two"), (128, "power of two")):
+        with pytest.raises(ValueError, match=text):
+            options.resolve(dict(rotate=bad, wire="int4") if bad == 128 else dict(rotate=bad))
+    for text, want in (("1", True), ("0", False), ("auto", "auto"), ("64", 64), ("on", True)):
+        monkeypatch.setenv("EQUARX_MPI_ROTATE", text)
+        assert options.resolve({})["rotate"] == want, text
+    monkeypatch.setenv("EQUARX_MPI_ROTATE", "3")
+    with pytest.warns(UserWarning, match="EQUARX_MPI_ROTATE"):
+        assert options.resolve({})["rotate"] is False
+
+
+def test_auto_score_separates_outliers_from_gaussian_blocks():
+    """rotation.outliers: Gaussian blocks score below 1 (about 0.8), blocks
+    with outlier channels above AUTO_SCORE; zeros and non-finite values
+    never rotate."""
+    from equarx_mpi.collectives import rotation
+    rng = np.random.default_rng(5)
+    g = rng.standard_normal(1 << 16).astype(np.float32)
+    h = rng.standard_t(3, 1 << 16).astype(np.float32)
+    h[::97] *= 40
+    for x, low, high in ((g, 0.6, 1.0), (h, rotation.AUTO_SCORE, np.inf)):
+        top, energy = rotation.outliers(x, 256)
+        assert low < top / energy < high, top / energy
+    for x in (np.zeros(4096, np.float32), np.full(4096, np.nan, np.float32)):
+        top, energy = rotation.outliers(x, 256)
+        assert not top > rotation.AUTO_SCORE * energy
