@@ -86,7 +86,8 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
         assert r["wrong"] == 0, r
         assert r["rel_err"] >= 0 and r["max_err"] >= 0
         limit = {"mpi": 1e-6, "fp32": 1e-6, "bf16": 0.01, "fp8": 0.05, "int4": 0.2,
-                 "int4-aff": 0.2, "int4-rab": 0.2}.get(r["method"], 0.02)
+                 "int4-aff": 0.2, "int4-rab": 0.2, "int4-rot": 0.2, "int4-rot-2s": 0.2,
+                 "int3": 0.4, "int2": 1.1}.get(r["method"], 0.02)
         assert r["rel_err"] <= limit, r
         # zero-mean data: the error against the anomaly is about rel_err
         assert r["anom_err"] <= 1.1 * r["rel_err"] + 1e-12, r
@@ -101,6 +102,8 @@ def test_bench_two_ranks_tiny_sizes(tmp_path):
                 "int8-aff": "ring/int8-affine", "int4-aff": "ring/int4-affine",
                 "int8-2shot": "two_shot/int8", "shm": "shm",
                 "rabenseifner": "rabenseifner/int8", "int4-rab": "rabenseifner/int4",
+                "int4-rot": "ring/int4", "int4-rot-2s": "two_shot/int4",
+                "int3": "two_shot/int3", "int2": "two_shot/int2",
                 "auto": ("exact", "shm", "ring/int8", "two_shot/int8", "rabenseifner/int8"),
                 "auto-exact": ("exact", "shm")}.get(
                     r["method"], "ring/int8")
@@ -207,7 +210,7 @@ def test_path_column():
 
 def test_methods_are_built_only_when_asked(monkeypatch):
     monkeypatch.setitem(METHODS, "future", Method("an option this QuantizedComm lacks",
-                                                  dict(wire="int3")))
+                                                  dict(wire="int1")))
     assert bench._make_comms(MPI.COMM_SELF, ["mpi"], 256) == {}
     with pytest.raises(SystemExit, match="method 'future'.*wire"):
         bench._make_comms(MPI.COMM_SELF, ["mpi", "future"], 256)

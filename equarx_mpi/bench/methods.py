@@ -73,7 +73,7 @@ METHODS = {
                        dict(RING, wire="int4", block_size=64, rotate=True)),
     "int8-rot": Method("int8 ring at every size, rotated (rotate=True)",
                        dict(RING, wire="int8", rotate=True)),
-    "int4-rot-2shot": Method("int4 two-shot at every size, block 64, rotated (rotate=True)",
+    "int4-rot-2s": Method("int4 two-shot at every size, block 64, rotated (rotate=True)",
                              dict(EVERY, wire="int4", block_size=64, rotate=True,
                                   algorithm="two_shot")),
     "int3": Method("int3 two-shot at every size, block 64 (its own, whatever --block says)",
