@@ -333,10 +333,10 @@ REGISTRY = {
                  _e1(0.6579, 0.7178, 0.7667, 0.807, 0.8398, 0.8672, 0.8894, 0.9084), block=64, bits=2,
                  directed=True, slower=(2.10, 1.97, 2.16, 3.81), hops=False),
     "int5": Wire(lambda b, kd: LowBit("int5", b, kd),
-                 _e1(0.04, 0.05, 0.05, 0.06, 0.06, 0.07, 0.07, 0.08), block=64, bits=5,
+                 _e1(0.04528, 0.05025, 0.05476, 0.05891, 0.06279, 0.06648, 0.06994, 0.07332), block=64, bits=5,
                  directed=True, slower=(2.0, 2.0, 2.0, 4.0)),
     "int6": Wire(lambda b, kd: LowBit("int6", b, kd),
-                 _e1(0.02, 0.025, 0.025, 0.03, 0.03, 0.035, 0.035, 0.04), block=64, bits=6,
+                 _e1(0.02191, 0.02431, 0.02649, 0.02852, 0.03039, 0.03216, 0.03384, 0.03548), block=64, bits=6,
                  directed=True, slower=(2.0, 2.0, 2.0, 4.0)),
 }
 WIRES = tuple(REGISTRY)
