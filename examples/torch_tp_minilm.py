@@ -23,8 +23,8 @@ only where predicted 25% faster), equarx-int8 (an "equarx" group with
 algorithm="two_shot", min_quantized_bytes=0: int8 at every size), and the
 same rotated before quantizing (equarx-int8-rot, equarx-int4-rot,
 equarx-int5-rot, equarx-int6-rot: rotate=True, docs/OPTIONS.md "rotate";
-int5 / int6 are the 5- and 6-bit wires, docs/FORMAT.md "Low-bit wires").  Rank 0
-prints each method's cosine to the exact embeddings (gloo's), nearest
+int5 / int6: the 5- and 6-bit wires, docs/FORMAT.md "int5 and int6").
+Rank 0 prints each method's cosine to the exact embeddings (gloo's), nearest
 neighbours changed, and the median forward (prefill) time, the methods
 interleaved forward by forward.  Needs torch, safetensors, tokenizers.
 """

@@ -159,7 +159,7 @@ class LowBit(Int4):
     """int3 (L = 3, 3-bit codes), int2 (L = 1, ternary, 2-bit codes), int5
     (L = 15, 5-bit) and int6 (L = 31, 6-bit): int4's coding with L levels
     each side, codes packed in a bit stream; bound a/L * (1/2 + (5L + 1) u)
-    + eta (docs/FORMAT.md "Low-bit wires")."""
+    + eta (docs/FORMAT.md "int3 and int2")."""
 
     def __init__(self, levels, width):
         self.L, self.width, self.ROUNDOFF = levels, width, 5 * levels + 1

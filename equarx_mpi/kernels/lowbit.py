@@ -1,5 +1,5 @@
-"""The low-bit blocks int2, int3, int5 and int6 (docs/FORMAT.md "Low-bit
-wires"): int4's format with L = 1, 3, 15 or 31 levels each side, packed
+"""The low-bit blocks int2, int3, int5 and int6 (docs/FORMAT.md "int3 and
+int2", "int5 and int6"): int4's format with L = 1, 3, 15 or 31 levels each side, packed
 tighter; one set of kernels for all (``levels`` = L, a kernel argument).
 Per block of B values (B a multiple of 8; the last block of a piece may be
 short), in the accumulation type A:

@@ -1,7 +1,7 @@
-"""The low-bit wires (docs/FORMAT.md "Low-bit wires"): int4's symmetric
-blocks with L levels each side, W-bit codes packed in groups of G codes,
-one set of kernels (kernels/lowbit.py): the gradient wires int3 (L 3, 8
-codes in 3 bytes) and int2 (L 1, 4 in a byte), registered in
+"""The low-bit wires (docs/FORMAT.md "int3 and int2", "int5 and int6"):
+int4's symmetric blocks with L levels each side, W-bit codes packed in
+groups of G codes, one set of kernels (kernels/lowbit.py): the gradient
+wires int3 (L 3, 8 codes in 3 bytes) and int2 (L 1, 4 in a byte), in
 wire/formats.py's REGISTRY with hops=False (algorithm="auto" never runs
 them on a schedule that requantizes partial sums at every hop), and int5
 (L 15, 8 in 5 bytes) and int6 (L 31, 4 in 3 bytes), between int4 and int8
@@ -29,7 +29,7 @@ class LowBit(ComposedMany, _Symmetric):
         super().__init__(block, kdtype)
 
     def _coefs(self, u):
-        # docs/FORMAT.md "Low-bit wires": (a/L)(1/2 + (5L + 1) u) to nearest
+        # docs/FORMAT.md "int3 and int2": (a/L)(1/2 + (5L + 1) u) to nearest
         L = self.levels
         return (0.5 + (5 * L + 1) * u) / L, (1 + (5 * L + 1) * u) / L
 
