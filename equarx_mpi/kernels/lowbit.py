@@ -180,11 +180,14 @@ def emit(vals, off, m, max_u, header, b, codes, lo, rmode, stream, levels, tail)
 
 
 @njit(inline='always', **CACHE)
-def _ungroup(codes, c0, nbytes, cnt, W, k, a, dst, at, like, word):
-    """dst[at:at+cnt] = the decoded codes of the group at codes[c0:] (word:
-    a zero of the word's type)."""
+def _ungroup(codes, c0, nbytes, cnt, W, k, a, dst, at, like, zero):
+    """dst[at:at+cnt] = the decoded codes of the group at codes[c0:] (zero:
+    of the word's type)."""
+    # cast back at every step: numba widens uint32 shifts to 64 bits, and
+    # int3/int2/int6 decode faster sign-extending in 32-bit lanes
+    word = zero
     for t in range(nbytes):
-        word |= _word(codes[_U(c0 + t)], word) << _word(8 * t, word)
+        word = _word(word | (_word(codes[_U(c0 + t)], zero) << _word(8 * t, zero)), zero)
     for i in range(cnt):
         c = _field(word, i, W)
         store(dst, _U(at + i), (as_acc(like, c) * k) * a)
