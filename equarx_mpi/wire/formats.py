@@ -309,7 +309,7 @@ def _e1(*errors):
 #: slower: docs/results/formats-kernels.txt, one core, wires interleaved,
 #: default blocks; int3, int2, int5, int6: docs/results/lowbit-kernels.txt
 #: (the same way, AMD EPYC; int3 and int2 from its first run, int5 and int6
-#: from the current one, where int3 came out 2.48 2.43 2.17 4.63: about 15%
+#: from the current one, where int3 came out 2.39 2.05 2.06 5.19: 10-25%
 #: run to run); bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
 #: buy less error for few bytes (docs/FORMAT.md "int4").
 REGISTRY = {
@@ -336,10 +336,10 @@ REGISTRY = {
                  directed=True, slower=(2.10, 1.97, 2.16, 3.81), hops=False),
     "int5": Wire(lambda b, kd: LowBit("int5", b, kd),
                  _e1(0.04528, 0.05025, 0.05476, 0.05891, 0.06279, 0.06648, 0.06994, 0.07332), block=64, bits=5,
-                 directed=True, slower=(2.56, 2.22, 2.30, 5.08)),
+                 directed=True, slower=(2.46, 2.08, 2.14, 4.83)),
     "int6": Wire(lambda b, kd: LowBit("int6", b, kd),
                  _e1(0.02191, 0.02431, 0.02649, 0.02852, 0.03039, 0.03216, 0.03384, 0.03548), block=64, bits=6,
-                 directed=True, slower=(2.46, 2.54, 2.43, 4.94)),
+                 directed=True, slower=(2.46, 2.37, 2.29, 5.68)),
 }
 WIRES = tuple(REGISTRY)
 #: the error-bounded mode's wire (abs_tol/rel_tol picks it; wire/mixed.py)
