@@ -1,24 +1,25 @@
 """The low-bit blocks int2, int3, int5 and int6 (docs/FORMAT.md "int3 and
-int2", "int5 and int6"): int4's format with L = 1, 3, 15 or 31 levels each side, packed
-tighter; one set of kernels for all (``levels`` = L, a kernel argument).
-Per block of B values (B a multiple of 8; the last block of a piece may be
-short), in the accumulation type A:
+int2", "int5 and int6"): int4's format with L = 1, 3, 15 or 31 levels
+each side, packed tighter; one set of kernels for all (``levels`` = L, a
+kernel argument).  Per block of B values (B a multiple of 8; the last
+block of a piece may be short), in the accumulation type A:
 
     header  a  = max |x|                     in A
     code    c  = rint(x * r),  r = L / a     in [-L, L], ties to even (r
                                              rounded once, exponent unbounded)
     decoded x' = (c * k) * a,  k = 1 / L     (k rounded once to A)
 
-Codes are W-bit two's complement, packed in groups of G codes in GB
-bytes (_shape): int2 (W 2) 4 codes in 1 byte, int3 (W 3) 8 in 3, int5 (W
-5) 8 in 5, int6 (W 6) 4 in 3; code j of a group sits at bits W*j of the
-group's little-endian word, a uint32, or a uint64 where the group needs
-more than 32 bits (int5's 40).  A piece's codes take ceil(W n / 8) bytes
-(a short last group only the bytes it needs, its unused high bits 0).
-fl(L * fl(1/L)) == 1 in float32 and float64 for L = 3, 15 and 31 (tested;
-k = 1 for L = 1), so code +-L decodes to exactly +-a.  Zeros, flagged
-blocks, the 16-bit output limit and directed rounding work as in int4
-(kernels/int4.py); no stochastic rounding.
+Codes are W-bit two's complement, packed in groups of G codes in GB bytes
+(_shape): int2 (W 2) 4 codes in 1 byte, int3 (W 3) 8 in 3, int5 (W 5) 8
+in 5, int6 (W 6) 4 in 3; code j of a group sits at bits W*j of the
+group's little-endian word, whose type follows the group (_word, _field):
+32 bits for int2, int3 and int6, 64 for int5's 40-bit group.  A piece's
+codes take ceil(W n / 8) bytes (a short last group only the bytes it
+needs, its unused high bits 0).  fl(L * fl(1/L)) == 1 in float32 and
+float64 for L = 3, 15 and 31 (tested; k = 1 for L = 1), so code +-L
+decodes to exactly +-a.  Zeros, flagged blocks, the 16-bit output limit
+and directed rounding work as in int4 (kernels/int4.py); no stochastic
+rounding.
 """
 import numpy as np
 from numba import njit, types
@@ -121,8 +122,8 @@ def _pack(vals, off, m, codes, lo, W, G, GB, mode, lift, r, a, k, L, rmode, zero
     at = (lo // G) * GB
     full = m // G
     for g in range(full):
-        _put(codes, at + g * GB, _group(vals, off + g * G, G, W, mode, lift, r, a, k, L, rmode, zero),
-             GB)
+        _put(codes, at + g * GB,
+             _group(vals, off + g * G, G, W, mode, lift, r, a, k, L, rmode, zero), GB)
     rest = m - full * G
     if rest:
         _put(codes, at + full * GB,
