@@ -21,9 +21,10 @@ to install it without torch's CUDA build).
 Methods: gloo (exact), equarx (the "equarx" group's defaults: auto, lossy
 only where predicted 25% faster), equarx-int8 (an "equarx" group with
 algorithm="two_shot", min_quantized_bytes=0: int8 at every size), and the
-same rotated before quantizing (equarx-int8-rot, equarx-int4-rot: rotate=True,
-docs/OPTIONS.md "rotate").  Rank 0
-prints each method's cosine to the exact embeddings (gloo's), nearest
+same rotated before quantizing (equarx-int8-rot, equarx-int4-rot,
+equarx-int5-rot, equarx-int6-rot: rotate=True, docs/OPTIONS.md "rotate";
+int5 / int6: the 5- and 6-bit wires, docs/FORMAT.md "int5 and int6").
+Rank 0 prints each method's cosine to the exact embeddings (gloo's), nearest
 neighbours changed, and the median forward (prefill) time, the methods
 interleaved forward by forward.  Needs torch, safetensors, tokenizers.
 """
@@ -63,10 +64,13 @@ from minilm_tp import (  # noqa: E402
 
 import equarx_mpi.torch as eqt  # noqa: E402
 
-METHODS = ("gloo", "equarx", "equarx-int8", "equarx-int8-rot", "equarx-int4-rot")
+METHODS = ("gloo", "equarx", "equarx-int8", "equarx-int8-rot", "equarx-int4-rot",
+           "equarx-int5-rot", "equarx-int6-rot")
 #: the quantized methods' backend options: two-shot at every size, rotated or not
 QUANTIZED = {"equarx-int8": {}, "equarx-int8-rot": dict(rotate=True),
-             "equarx-int4-rot": dict(wire="int4", rotate=True)}
+             "equarx-int4-rot": dict(wire="int4", rotate=True),
+             "equarx-int5-rot": dict(wire="int5", rotate=True),
+             "equarx-int6-rot": dict(wire="int6", rotate=True)}
 
 
 class ColumnParallel(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""Plain numpy reference of the int4, int3, int2, fp8 and affine wire formats
+"""Plain numpy reference of the int4, int3, int2, int5, int6, fp8 and affine wire formats
 (docs/FORMAT.md), written from the spec and independent of the kernels:
 e4m3 rounding by frexp/ldexp arithmetic, e4m3 bits from ml_dtypes'
 float8_e4m3fn (its own conversion is correctly rounded from float32 but not
@@ -142,7 +142,8 @@ class Int4:
 def pack_bits(c, width):
     """Codes as width-bit two's complement in one little-endian bit stream:
     code j at bits width*j.. of the piece (int3: 8 codes in 3 bytes, int2: 4
-    in a byte); the last byte's unused high bits 0."""
+    in a byte, int5: 8 in 5 bytes, int6: 4 in 3); the last byte's unused
+    high bits 0."""
     c = np.asarray(c).astype(np.int64) & ((1 << width) - 1)
     bits = ((c[:, None] >> np.arange(width)) & 1).astype(np.uint8).reshape(-1)
     return np.packbits(bits, bitorder="little")
@@ -155,9 +156,10 @@ def unpack_bits(b, n, width):
 
 
 class LowBit(Int4):
-    """int3 (L = 3, 3-bit codes) and int2 (L = 1, ternary, 2-bit codes):
-    int4's coding with L levels each side, codes packed in a bit stream;
-    bound a/L * (1/2 + (5L + 1) u) + eta (docs/FORMAT.md "int3 and int2")."""
+    """int3 (L = 3, 3-bit codes), int2 (L = 1, ternary, 2-bit codes), int5
+    (L = 15, 5-bit) and int6 (L = 31, 6-bit): int4's coding with L levels
+    each side, codes packed in a bit stream; bound a/L * (1/2 + (5L + 1) u)
+    + eta (docs/FORMAT.md "int3 and int2")."""
 
     def __init__(self, levels, width):
         self.L, self.width, self.ROUNDOFF = levels, width, 5 * levels + 1
@@ -358,6 +360,6 @@ class Affine:
 
 
 INT4, FP8, INT8_AFFINE, INT4_AFFINE = Int4(), Fp8(), Affine(255), Affine(15)
-INT3, INT2 = LowBit(3, 3), LowBit(1, 2)
+INT3, INT2, INT5, INT6 = LowBit(3, 3), LowBit(1, 2), LowBit(15, 5), LowBit(31, 6)
 CODECS = {"int4": INT4, "fp8": FP8, "int8-affine": INT8_AFFINE, "int4-affine": INT4_AFFINE,
-          "int3": INT3, "int2": INT2}
+          "int3": INT3, "int2": INT2, "int5": INT5, "int6": INT6}

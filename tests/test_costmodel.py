@@ -178,7 +178,7 @@ def test_error_model():
     # hierarchical: the error of the node count
     assert costmodel.error("hierarchical", "int8", 256, 64, 8) == costmodel.error(
         "two_shot", "int8", 256, 8, 8)
-    for wire in ("int8", "int4", "int8-affine", "int4-affine", "int3", "int2"):
+    for wire in ("int8", "int4", "int8-affine", "int4-affine", "int3", "int2", "int5", "int6"):
         es = [costmodel.E1[wire][b] for b in sorted(costmodel.E1[wire])]
         assert all(a < b for a, b in zip(es, es[1:])), wire
 
@@ -186,7 +186,8 @@ def test_error_model():
 @pytest.mark.parametrize("wire,block", [("int8", 256), ("int8", 32), ("int8", 4096),
                                         ("fp8", 256), ("bf16", 256), ("int4", 64),
                                         ("int8-affine", 256), ("int3", 64), ("int2", 64),
-                                        ("int3", 1024)])
+                                        ("int3", 1024), ("int5", 64), ("int6", 64),
+                                        ("int6", 128)])
 def test_one_quantization_error_is_as_tabulated(wire, block):
     """E1, the base of the error model: the relative L2 error of one
     encode + decode of standard-normal float32 values."""

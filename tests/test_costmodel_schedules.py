@@ -150,7 +150,7 @@ def test_the_model_pairs_rabenseifner_as_the_schedule_does():
 
 
 @pytest.mark.parametrize("wire", ["int8", "int4", "fp8", "int8-affine", "int4-affine",
-                                  "bf16", "fp32", "int3", "int2"])
+                                  "bf16", "fp32", "int3", "int2", "int5", "int6"])
 def test_every_wire_on_every_schedule_has_a_prediction(wire):
     """Every wire on every schedule: a finite, positive time on measured
     and unmeasured layouts and in tune predict, bytes per value from the

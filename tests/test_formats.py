@@ -1,4 +1,4 @@
-"""The int4, int3, int2, fp8 and affine wire formats: numba kernels (through the format
+"""The int4, int3, int2, int5, int6, fp8 and affine wire formats: numba kernels (through the format
 classes) against the numpy reference bit for bit, the formats' promises,
 and the C reference (native/equarx_formats.c) against numba bit for bit.
 
@@ -179,9 +179,10 @@ def test_fused_hop_and_decode_reduce_match_reference(wire, dtype, op, rounding):
 
 def test_decode_extremes_identities():
     """The checks the formats rest on: fl(L * fl(1/L)) == 1 in float32 and
-    float64, for L = 7 (int4), 3 (int3), 448 (fp8), 15 and 255 (affine)."""
+    float64, for L = 7 (int4), 3 (int3), 15 (int5), 31 (int6), 448 (fp8),
+    15 and 255 (affine)."""
     for t in (np.float32, np.float64):
-        for L in (7, 3, 448, 15, 255):
+        for L in (7, 3, 15, 31, 448, 255):
             assert t(L) * (t(1) / t(L)) == 1, (t, L)
 
 
@@ -212,7 +213,8 @@ def test_layout_and_bytes_per_value():
     """Headers first, then the codes, padded to 8 bytes."""
     n = 1001                      # 4 blocks of 256, the last one short and odd
     codes = {"int4": 501, "fp8": 1001, "int8-affine": 1001, "int4-affine": 501,
-             "int3": 376, "int2": 251}        # ceil(3 n / 8), ceil(2 n / 8)
+             "int3": 376, "int2": 251,        # ceil(3 n / 8), ceil(2 n / 8)
+             "int5": 626, "int6": 751}        # ceil(5 n / 8), ceil(6 n / 8)
     for wire, c in codes.items():
         heads = 2 if "affine" in wire else 1
         for dt, size in ((np.float32, 4), (np.float64, 8)):
@@ -228,13 +230,15 @@ def test_default_block_per_wire():
     """block_size=None (the default) is the wire's own; a given size wins;
     bits=4 is int4."""
     want = {"int8": 256, "int4": 64, "fp8": 256, "int8-affine": 256, "int4-affine": 128,
-            "bf16": 256, "int3": 64, "int2": 64}
+            "bf16": 256, "int3": 64, "int2": 64, "int5": 64, "int6": 64}
     for wire, block in want.items():
         assert options.resolve(dict(wire=wire))["block_size"] == block, wire
         assert options.resolve(dict(wire=wire, block_size=1024))["block_size"] == 1024
     assert options.resolve(dict(bits=4)) == options.resolve(dict(wire="int4"))
     assert options.resolve(dict(bits=3)) == options.resolve(dict(wire="int3"))
     assert options.resolve(dict(bits=2)) == options.resolve(dict(wire="int2"))
+    assert options.resolve(dict(bits=5)) == options.resolve(dict(wire="int5"))
+    assert options.resolve(dict(bits=6)) == options.resolve(dict(wire="int6"))
     with pytest.raises(ValueError, match="power of two"):
         options.resolve(dict(wire="int4", block_size=48))
 

@@ -209,7 +209,8 @@ def test_quantized_bound_holds(algorithm, wire):
 
 @pytest.mark.parametrize("algorithm,wire", [("ring", "int8"), ("ring", "fp8"),
                                             ("ring", "int4-affine"), ("two_shot", "int8"),
-                                            ("two_shot", "int3"), ("ring", "int2")],
+                                            ("two_shot", "int3"), ("ring", "int2"),
+                                            ("two_shot", "int5"), ("ring", "int6")],
                          ids=lambda v: str(v))
 def test_quantized_max_min_bound_holds(algorithm, wire):
     run_comm(algorithm, wire, ops=("max", "min"))

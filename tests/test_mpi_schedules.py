@@ -48,7 +48,8 @@ from equarx_mpi.wire.formats import default_block
 pytestmark = pytest.mark.mpi(min_size=1)
 DTYPES = [np.float32, np.float64, np.float16, BF16]
 OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
-WIRES = ["int8", "int4", "fp8", "int8-affine", "int4-affine", "bf16", "fp32", "int3", "int2"]
+WIRES = ["int8", "int4", "fp8", "int8-affine", "int4-affine", "bf16", "fp32", "int3", "int2",
+         "int5", "int6"]
 RING_BLOCK = 64         # the ring's block wires (CODECS) run on small blocks
 ALL = os.environ.get("EQUARX_MPI_RABENSEIFNER_ALL", "0") not in ("", "0")
 

@@ -219,7 +219,8 @@ def test_options():
     assert o["rounding"] == "stochastic" and o["seed"] == 12
     assert options.resolve({})["rounding"] == "nearest"
     assert options.resolve(dict(wire="int4", rounding="stochastic"))["wire"] == "int4"
-    for wire in ("fp8", "int8-affine", "int4-affine", "bf16", "fp32"):
+    for wire in ("fp8", "int8-affine", "int4-affine", "bf16", "fp32", "int3", "int2", "int5",
+                 "int6"):
         with pytest.raises(ValueError, match="rounding='stochastic' takes the wires"):
             options.resolve(dict(wire=wire, rounding="stochastic"))
     with pytest.raises(ValueError, match="rounding must be one of"):

@@ -18,7 +18,8 @@ x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
 own = np.random.default_rng(1).standard_normal(n).astype(np.float32)
 out = np.empty_like(x)
 setups = []
-for wire, B in [("int8", 256), ("int4", 64), ("int3", 64), ("int2", 64)]:
+for wire, B in [("int8", 256), ("int4", 64), ("int3", 64), ("int2", 64), ("int5", 64),
+                ("int6", 64)]:
     f = formats.make_format(wire, B, np.float32)
     w = f.views(np.zeros(f.nbytes(n), np.uint8), n)
     f.encode(x, w, 0)

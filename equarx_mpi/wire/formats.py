@@ -304,11 +304,13 @@ def _e1(*errors):
 
 #: wire name -> Wire, in the order WIRES lists them.  e1: measured through
 #: the library (docs/ACCURACY.md) within 0.5% of the model for int8, fp8 and
-#: bf16; int4 lies 10-15% below it (an upper estimate there); int3 and int2
-#: measured (docs/results/lowbit-e1.txt, 2^22 values).  slower:
-#: docs/results/formats-kernels.txt, one core, wires interleaved, default
-#: blocks; int3, int2: docs/results/lowbit-kernels.txt (the same way, AMD
-#: EPYC); bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
+#: bf16; int4 lies 10-15% below it (an upper estimate there); int3, int2,
+#: int5 and int6 measured (docs/results/lowbit-e1.txt, 2^22 values).
+#: slower: docs/results/formats-kernels.txt, one core, wires interleaved,
+#: default blocks; int3, int2, int5, int6: docs/results/lowbit-kernels.txt
+#: (the same way, AMD EPYC; int3 and int2 from its first run, int5 and int6
+#: from the current one, where int3 came out 2.39 2.05 2.06 5.19: 10-25%
+#: run to run); bf16, fp32 (not there): as int8.  The int4 wires' smaller blocks
 #: buy less error for few bytes (docs/FORMAT.md "int4").
 REGISTRY = {
     "int8": Wire(Int8Block, _e1(0.005337, 0.005922, 0.006444, 0.00695, 0.007406, 0.007865,
@@ -332,6 +334,12 @@ REGISTRY = {
     "int2": Wire(lambda b, kd: LowBit("int2", b, kd),
                  _e1(0.6579, 0.7178, 0.7667, 0.807, 0.8398, 0.8672, 0.8894, 0.9084), block=64, bits=2,
                  directed=True, slower=(2.10, 1.97, 2.16, 3.81), hops=False),
+    "int5": Wire(lambda b, kd: LowBit("int5", b, kd),
+                 _e1(0.04528, 0.05025, 0.05476, 0.05891, 0.06279, 0.06648, 0.06994, 0.07332), block=64, bits=5,
+                 directed=True, slower=(2.46, 2.08, 2.14, 4.83)),
+    "int6": Wire(lambda b, kd: LowBit("int6", b, kd),
+                 _e1(0.02191, 0.02431, 0.02649, 0.02852, 0.03039, 0.03216, 0.03384, 0.03548), block=64, bits=6,
+                 directed=True, slower=(2.46, 2.37, 2.29, 5.68)),
 }
 WIRES = tuple(REGISTRY)
 #: the error-bounded mode's wire (abs_tol/rel_tol picks it; wire/mixed.py)

@@ -1,17 +1,19 @@
-"""The low-bit gradient wires int3 and int2 (docs/FORMAT.md "int3 and
-int2"): int4's symmetric blocks with L = 3 or 1 levels each side, codes
-packed 8 in 3 bytes (int3) or 4 in a byte (int2), one set of kernels
-(kernels/lowbit.py).  Registered in wire/formats.py's REGISTRY with
-hops=False: algorithm="auto" never runs them on a schedule that
-requantizes partial sums at every hop."""
+"""The low-bit wires (docs/FORMAT.md "int3 and int2", "int5 and int6"):
+int4's symmetric blocks with L levels each side, W-bit codes packed in
+groups of G codes, one set of kernels (kernels/lowbit.py): the gradient
+wires int3 (L 3, 8 codes in 3 bytes) and int2 (L 1, 4 in a byte), in
+wire/formats.py's REGISTRY with hops=False (algorithm="auto" never runs
+them on a schedule that requantizes partial sums at every hop), and int5
+(L 15, 8 in 5 bytes) and int6 (L 31, 4 in 3 bytes), between int4 and int8
+for rotated activations."""
 import numpy as np
 
 from equarx_mpi import kernels as K
 from equarx_mpi.wire.base import _Symmetric, pad8
 from equarx_mpi.wire.many import ComposedMany
 
-#: wire name -> (levels L each side, bits W a code)
-SHAPES = {"int3": (3, 3), "int2": (1, 2)}
+#: wire name -> (levels L each side, bits W a code, codes G a group)
+SHAPES = {"int3": (3, 3, 8), "int2": (1, 2, 4), "int5": (15, 5, 8), "int6": (31, 6, 4)}
 
 
 class LowBit(ComposedMany, _Symmetric):
@@ -20,8 +22,7 @@ class LowBit(ComposedMany, _Symmetric):
 
     def __init__(self, name, block, kdtype):
         self.name = name
-        self.levels, self.width = SHAPES[name]
-        group = 8 if self.width == 3 else 4
+        self.levels, self.width, group = SHAPES[name]
         if block % group:
             raise ValueError(f"{name} packs {group} codes per group: block {block} must be a "
                              f"multiple of {group}")
