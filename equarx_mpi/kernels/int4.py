@@ -24,8 +24,6 @@ from equarx_mpi.kernels.common import (
     HELPER,
     KERNEL,
     ROUND_NEAREST,
-    ROUND_STOCHASTIC,
-    ROUND_UP,
     abs_bits,
     as_acc,
     from_abs_bits,
@@ -34,7 +32,7 @@ from equarx_mpi.kernels.common import (
     wide_tiny_lift,
     wide_vectors,
 )
-from equarx_mpi.kernels.stochastic import stochastic_code
+from equarx_mpi.kernels.stochastic import symmetric_code as _code
 
 LEVELS = 7
 _U = np.uint64
@@ -49,28 +47,6 @@ def _low(b):
 @njit(inline='always', **CACHE)
 def _pair(c0, c1):
     return np.int8((np.int32(c0) & 15) | (np.int32(c1) << 4))
-
-
-@njit(inline='always', **CACHE)
-def _code(x, q, a, k, levels, rmode, stream, i):
-    """The code of x (q = x scaled to code units), value i of its piece:
-    nearest, stochastic, or ceiling / floor corrected so the decoded value
-    never falls below / above x (the roundings of r and of the decode can
-    cross it; code +-7 decodes to +-a, so the correction never leaves
-    [-7, 7]).  All in x's type: a plain 7 would promote float32 to float64."""
-    if rmode == ROUND_NEAREST:
-        return np.rint(q)
-    if rmode == ROUND_STOCHASTIC:
-        return stochastic_code(x, q, a, levels, stream, i)
-    if rmode == ROUND_UP:
-        c = min(np.ceil(q), levels)
-        if (c * k) * a < x:
-            c += 1
-        return c
-    c = max(np.floor(q), -levels)
-    if (c * k) * a > x:
-        c -= 1
-    return c
 
 
 @njit(**HELPER)

@@ -31,7 +31,6 @@ from equarx_mpi.kernels.common import (
     HELPER,
     KERNEL,
     ROUND_NEAREST,
-    ROUND_UP,
     abs_bits,
     as_acc,
     from_abs_bits,
@@ -40,6 +39,7 @@ from equarx_mpi.kernels.common import (
     wide_tiny_lift,
     wide_vectors,
 )
+from equarx_mpi.kernels.stochastic import symmetric_code as _code
 
 _U = np.uint64
 
@@ -74,24 +74,6 @@ def _ov_field(word, i, W, like):
 
 
 @njit(inline='always', **CACHE)
-def _code(x, q, a, k, levels, rmode):
-    """The code of x (q = x scaled to code units): nearest, or ceiling /
-    floor corrected so the decoded value never falls below / above x
-    (int4's _code without the stochastic branch)."""
-    if rmode == ROUND_NEAREST:
-        return np.rint(q)
-    if rmode == ROUND_UP:
-        c = min(np.ceil(q), levels)
-        if (c * k) * a < x:
-            c += 1
-        return c
-    c = max(np.floor(q), -levels)
-    if (c * k) * a > x:
-        c -= 1
-    return c
-
-
-@njit(inline='always', **CACHE)
 def _group(vals, at, cnt, W, mode, lift, r, a, k, L, rmode, word):
     """The word of codes of vals[at:at+cnt], code i at bits W*i (word: a
     zero of the word's type); mode 0: the signs of an all-zero block, 1: to
@@ -103,7 +85,7 @@ def _group(vals, at, cnt, W, mode, lift, r, a, k, L, rmode, word):
         elif mode == 1:
             c = np.int32(np.rint((x * lift) * r))
         else:
-            c = np.int32(_code(x, (x * lift) * r, a, k, L, rmode))
+            c = np.int32(_code(x, (x * lift) * r, a, k, L, rmode, np.uint64(0), 0))
         word |= _word(np.uint32(c) & np.uint32((1 << W) - 1), word) << _word(W * i, word)
     return word
 

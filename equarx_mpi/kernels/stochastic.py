@@ -1,5 +1,6 @@
 """Stochastic rounding's generator and code choice, shared by the int8 and
-int4 kernels (ROUND_STOCHASTIC in common.py).
+int4 kernels (ROUND_STOCHASTIC in common.py), and ``symmetric_code``: a
+symmetric format's code of a value in every rounding mode (int4, lowbit).
 
 A counter-based generator: the uniform number of value i of a piece is a
 hash of (stream + i), so any piece can be encoded alone, in any order, by
@@ -12,7 +13,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from equarx_mpi.kernels.common import CACHE, cast_like
+from equarx_mpi.kernels.common import CACHE, ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_UP, cast_like
 
 GOLDEN = 0x9E3779B97F4A7C15
 
@@ -60,3 +61,26 @@ def stochastic_code(x, q, a, levels, stream, i):
     c = min(max(c, -levels), levels)
     c = levels if x == a else c
     return -levels if x == -a else c
+
+
+@njit(inline='always', **CACHE)
+def symmetric_code(x, q, a, k, levels, rmode, stream, i):
+    """The code of x (q = x scaled to code units), value i of its piece, in
+    a format decoding code c as (c * k) * a with +-levels decoding to +-a:
+    nearest, stochastic, or ceiling / floor corrected so the decoded value
+    never falls below / above x (the roundings of the scale and of the
+    decode can cross it; the correction never leaves [-levels, levels]).
+    All in x's type: a plain integer would promote float32 to float64."""
+    if rmode == ROUND_NEAREST:
+        return np.rint(q)
+    if rmode == ROUND_STOCHASTIC:
+        return stochastic_code(x, q, a, levels, stream, i)
+    if rmode == ROUND_UP:
+        c = min(np.ceil(q), levels)
+        if (c * k) * a < x:
+            c += 1
+        return c
+    c = max(np.floor(q), -levels)
+    if (c * k) * a > x:
+        c -= 1
+    return c
