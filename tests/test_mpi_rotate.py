@@ -50,7 +50,8 @@ def same_everywhere(y):
     ("ring", "int8", True, 5000), ("two_shot", "int4", True, 4099),
     ("rabenseifner", "int8", 64, 3001), ("ring", "fp8", 32, 777),
     ("two_shot", "int8-affine", True, 2048), ("ring", "int4", 8, 131),
-    ("two_shot", "int3", True, 3000), ("two_shot", "int2", 32, 1029)])
+    ("two_shot", "int3", True, 3000), ("two_shot", "int2", 32, 1029),
+    ("ring", "int5", True, 2000), ("two_shot", "int6", 16, 1500)])
 def test_allreduce_is_the_call_on_rotated_inputs(alg, wire, size, n):
     r = WORLD.Get_rank()
     x = heavy(n, r)
