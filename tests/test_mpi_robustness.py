@@ -91,7 +91,7 @@ def test_option_mismatch_raises_on_every_rank():
 
 @pytest.mark.parametrize("opts,text", [(dict(block_size=100), "power of two"),
                                        (dict(block_size=8192), "power of two"),
-                                       (dict(bits=2), "bits"),
+                                       (dict(bits=7), "bits"),
                                        (dict(algorithm="tree"), "algorithm"),
                                        (dict(chunks=0), "chunks"),
                                        (dict(min_quantized_bytes=-1), "min_quantized_bytes")])
