@@ -162,7 +162,7 @@ def test_exact_context_and_options(int8, gloo):
     everywhere(close_to(y, ref, x, Op.SUM), "and equal to gloo's")
     opts = eqt.options(int8)
     everywhere(opts["algorithm"] == "ring" and opts["min_quantized_bytes"] == 0, "options")
-    raises_everywhere(ValueError, lambda: eqt.options(int8, wire="int3"))
+    raises_everywhere(ValueError, lambda: eqt.options(int8, wire="int1"))
     raises_everywhere(TypeError, lambda: eqt.qcomm(gloo), match="not an 'equarx'")
 
 
