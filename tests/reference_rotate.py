@@ -48,16 +48,26 @@ def scale(m, acc):
     return acc(1.0 / np.sqrt(np.float64(m)))
 
 
+def _stage(x, h):
+    """Stage h of each row of x, in place: pairs (v[i], v[i+h]) -> sum, difference."""
+    y = x.reshape(x.shape[0], -1, 2, h)
+    a, b = y[:, :, 0].copy(), y[:, :, 1].copy()
+    y[:, :, 0], y[:, :, 1] = a + b, a - b
+
+
 def hadamard(x, m):
-    """(H x) * c for each row of x (rows of m values), stage by stage."""
+    """(H x) * c for each row of x (rows of m values), stage by stage: below
+    64 values h = 1, 2, ..., m/2; from 64 on, each 64 values as eight rows
+    of eight (stages 8, 16, 32, then 1, 2, 4), stored transposed, then
+    stages 64, ..., m/2."""
     x = x.copy()
-    h = 1
     with np.errstate(over="ignore", invalid="ignore"):
-        while h < m:
-            y = x.reshape(x.shape[0], m // (2 * h), 2, h)
-            a, b = y[:, :, 0].copy(), y[:, :, 1].copy()
-            y[:, :, 0], y[:, :, 1] = a + b, a - b
-            h *= 2
+        low = (8, 16, 32, 1, 2, 4) if m >= 64 else tuple(1 << i for i in range(m.bit_length() - 1))
+        for h in low + tuple(1 << i for i in range(6, m.bit_length() - 1)):
+            _stage(x, h)
+        if m >= 64:
+            g = x.reshape(x.shape[0], m // 64, 8, 8)
+            g[:] = g.transpose(0, 1, 3, 2).copy()
         if m > 1:
             x *= scale(m, x.dtype.type)
     return x

@@ -109,6 +109,44 @@ def test_reduce_scatter_and_allgather_rotate_each_shard(in_place):
     everywhere(np.array_equal(gathered, wg), "Allgather: the reference's")
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_shards_with_bad_values_go_exact(in_place):
+    """Reduce_scatter_block and Allgather, shards not a multiple of the
+    block: an Inf block and a block whose rotation back would overflow go
+    exact (MPI's sum; the owner's bits), in place as out of place."""
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    m, B = 1000, 256
+    top = float(np.finfo(np.float32).max)
+    x = heavy(P * m, r)
+    for s in range(P):
+        x[s * m + 3] = np.inf if r == 0 else 1.0
+        x[s * m + 512:s * m + 768] = top / 4 * (1 - 2 * (np.arange(B) % 2)) / P
+    exact = np.empty(m, np.float32)
+    WORLD.Reduce_scatter_block(x, exact)
+    with QuantizedComm(WORLD, **opts(wire="int8", rotate=True, lossy_allgather=True,
+                                     block_size=B)) as qc:
+        if in_place:
+            got = x.copy()
+            qc.Reduce_scatter_block(MPI.IN_PLACE, got)
+            got = got[:m].copy()
+        else:
+            got = np.empty(m, np.float32)
+            qc.Reduce_scatter_block(x, got)
+        mine = x[r * m:(r + 1) * m].copy()
+        gathered = np.zeros(P * m, np.float32)
+        if in_place:
+            gathered[r * m:(r + 1) * m] = mine
+            qc.Allgather(MPI.IN_PLACE, gathered)
+        else:
+            qc.Allgather(mine, gathered)
+    whole = WORLD.allgather(mine)
+    everywhere(np.isinf(got[3]) and np.array_equal(got[512:768], exact[512:768]),
+               "Reduce_scatter_block: the Inf and the large block are MPI's")
+    everywhere(all(np.isinf(gathered[s * m + 3]) == (s == 0) for s in range(P)) and all(
+        np.array_equal(gathered[s * m + 512:s * m + 768], whole[s][512:768]) for s in range(P)),
+        "Allgather: the large blocks are their owners' bits")
+
+
 @pytest.mark.parametrize("wire", ["int8", "int4", "fp8", "int8-affine", "int4-affine", "int3",
                                   "int2"])
 @pytest.mark.parametrize("alg", ["ring", "two_shot", "rabenseifner"])
@@ -169,12 +207,14 @@ def limits(dtype):
     return top, tiny
 
 
+@pytest.mark.parametrize("alg", ["ring", "two_shot", "rabenseifner"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16, np.float64])
-def test_bad_values_go_exact(dtype):
+def test_bad_values_go_exact(dtype, alg):
     """Inf and NaN blocks, values near the type's maximum (their rotation,
     or the sum's rotation back, would overflow), subnormals, all-zero
     blocks, a single spike: exact where they go exact, within the bound
-    elsewhere, identical on every rank."""
+    elsewhere, identical on every rank; in place the same bits (ring and
+    two-shot rotate piece by piece, over the caller's values)."""
     P, r = WORLD.Get_size(), WORLD.Get_rank()
     B = 64
     top, tiny = limits(dtype)
@@ -191,10 +231,17 @@ def test_bad_values_go_exact(dtype):
     exact = np.empty_like(x)
     with QuantizedComm(WORLD, accuracy="exact") as ex:     # MPI's own sum, bfloat16 too
         ex.Allreduce(x, exact)
-    with QuantizedComm(WORLD, **opts(wire="int8", block_size=B, rotate=True)) as qc:
+    with QuantizedComm(WORLD, **opts(wire="int8", block_size=B, rotate=True,
+                                      algorithm=alg)) as qc:
         got = np.empty_like(x)
         qc.Allreduce(x, got)
         b = qc.last_error_bound
+        mine = x.copy()
+        qc.Allreduce(MPI.IN_PLACE, mine)
+    nan = np.isnan(got.astype(np.float64))
+    everywhere(np.array_equal(np.isnan(mine.astype(np.float64)), nan)
+               and np.array_equal(mine[~nan].view(np.uint8), got[~nan].view(np.uint8)),
+               "in place: the same bits (NaN where out of place)")
     both = np.isfinite(exact.astype(np.float64))
     everywhere(np.array_equal(np.isnan(got.astype(np.float64)), np.isnan(exact.astype(
         np.float64))) and np.array_equal(got[~both & ~np.isnan(exact.astype(np.float64))],

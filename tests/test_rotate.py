@@ -6,6 +6,7 @@ Serial: python -m pytest -q tests/test_rotate.py
 """
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 import reference_rotate as ref
@@ -88,6 +89,20 @@ def test_start_is_the_index_of_the_first_value():
     assert same(rot(x[192:], 64, start=192), whole[192:])
     assert same(unrot(whole[192:], 64, np.float32, start=192), unrot(whole, 64, np.float32)[192:])
     assert not same(rot(x[192:], 64), whole[192:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_rotate_returns_the_largest_finite_magnitude(dtype):
+    """What the rotation's rounding bound needs (collectives/rotation.py),
+    found as the kernel reads: Inf and NaN skipped, 0 with none."""
+    rng = np.random.default_rng(6)
+    x = data(1000, dtype, rng)
+    x[[3, 500]] = x[[3, 500]] * 0 + np.array([np.inf, np.nan], dtype)
+    x[700] = x[700] * 0 + ml_dtypes.finfo(dtype).max / 2
+    for v in (x, x[:3], x[3:4], np.zeros(5, dtype), x[:0]):
+        want = np.abs(v.astype(np.float64))
+        want = float(want[np.isfinite(want)].max(initial=0.0))
+        assert R.rotate(v, np.empty(v.size, acc(dtype)), 16, 1, 2) == want, v.size
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -165,26 +165,24 @@ class Engine:
         own (the caller's values)."""
         rot, n, B = self.active, recv.size, self.opts["block_size"]
         y = rot.buffer(n, recv.dtype)
-        rot.forward(own, y)
         # an error on the input is at most sqrt(S) times larger rotated
-        e_y = rot.own_error(own) + math.sqrt(rot.size) * e_own
+        e_y = rot.forward(own, y) + math.sqrt(rot.size) * e_own
         if feedback is not None:
             e_y += feedback.begin_rotated(y, recv.dtype)
         ranges, tally = self._run(algorithm, "allreduce", shards, y, y, "sum", 0, 0, e_y,
                                   feedback)
         e = tally.finish()
-        mags, risky = rot.back(y, recv)
+        # blocks that go exact keep recv's values: in place, the caller's own
+        mags, risky = rot.back(y, recv, _blocks_of(ranges, B, 0))
         ranges = rotation.add_blocks(ranges, risky, B, n)
         if feedback is not None:
             feedback.end(y, ranges)
         exact_blocks = _blocks_of(ranges, B, 0)
         mags[exact_blocks] = 0.0
         x_e = rot.x_bound(e, float(mags.max(initial=0.0)), recv.dtype)
-        keep = own.copy() if ranges and own is recv else own   # in place: x is overwritten
-        rot.backward(y, recv)
         fixed, fix = 0, 0.0
         if fix_up:
-            fixed, fix = exact.fix_allreduce(self.comm, ranges, keep, recv, op, e_own)
+            fixed, fix = exact.fix_allreduce(self.comm, ranges, own, recv, op, e_own)
         self._rotated_record(tally, mags, exact_blocks, fix, n, 0, recv.dtype)
         return (fixed if fix_up else ranges), max(x_e, fix)
 
@@ -213,16 +211,17 @@ class Engine:
             local = tally.finish()
         else:
             y, z = rot.buffer(own.size, own.dtype), rot.buffer(m, own.dtype, 1)
-            for lo, _ in shards:          # each shard rotated on its own
-                rot.forward(own[lo:lo + m], y[lo:lo + m], lo)
+            # each shard rotated on its own
+            e_y = max((rot.forward(own[lo:lo + m], y[lo:lo + m], lo) for lo, _ in shards),
+                      default=0.0)
             ranges, tally = self._run(algorithm, "reduce_scatter", shards, y, z, name, 0,
-                                      r * m, rot.own_error(own))
-            mags, risky = rot.back(z, out)
-            ranges = rotation.add_blocks(ranges, risky, self.opts["block_size"], m, r * m)
-            exact_blocks = _blocks_of(ranges, self.opts["block_size"], r * m)
+                                      r * m, e_y)
+            B = self.opts["block_size"]
+            mags, risky = rot.back(z, out, _blocks_of(ranges, B, r * m), r * m)
+            ranges = rotation.add_blocks(ranges, risky, B, m, r * m)
+            exact_blocks = _blocks_of(ranges, B, r * m)
             mags[exact_blocks] = 0.0
             local = rot.x_bound(tally.finish(), float(mags.max(initial=0.0)), out.dtype)
-            rot.backward(z, out, r * m)
         # each rank's result is its own: the fix-up's agreement shares the bounds
         fixed, fix, most = exact.fix_reduce_scatter(self.comm, ranges, own, out, op, r, m, local)
         if send is None:
@@ -248,20 +247,18 @@ class Engine:
                 tally, 0.0, recv.size, 0)
         B = self.opts["block_size"]
         y, z = rot.buffer(m, own.dtype), rot.buffer(recv.size, own.dtype, 1)
-        rot.forward(own, y, r * m)
-        ranges, tally = self._run("ring", "allgather", shards, y, z, "sum", r * m, 0,
-                                  rot.own_error(own))
-        mags = []
+        e_y = rot.forward(own, y, r * m)
+        ranges, tally = self._run("ring", "allgather", shards, y, z, "sum", r * m, 0, e_y)
+        mags, flagged = [], ranges
         for lo, _ in shards:              # each shard rotated back on its own
-            mag, risky = rot.back(z[lo:lo + m], recv)
+            # blocks that go exact keep recv's values: in place, own's
+            mine = [(max(a, lo), min(b, lo + m)) for a, b in flagged if a < lo + m and b > lo]
+            mag, risky = rot.back(z[lo:lo + m], recv[lo:lo + m], _blocks_of(mine, B, lo), lo)
             ranges = rotation.add_blocks(ranges, risky, B, m, lo)
             mags.append(mag)
         mags = np.concatenate(mags) if mags else np.zeros(0)
         mags[_blocks_of(ranges, B, 0, m)] = 0.0
-        keep = own.copy() if ranges and send is None else own
-        for lo, _ in shards:
-            rot.backward(z[lo:lo + m], recv[lo:lo + m], lo)
-        fixed = exact.fix_allgather(self.comm, ranges, keep, recv, r)
+        fixed = exact.fix_allgather(self.comm, ranges, own, recv, r)
         x_e = rot.x_bound(tally.finish(), float(mags.max(initial=0.0)), recv.dtype)
         # one bound for all (the shards' blocks do not line up with the result's)
         self.record = bound.Record.constant(recv.size, B, x_e)

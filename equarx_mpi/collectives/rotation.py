@@ -30,7 +30,7 @@ import numpy as np
 
 from equarx_mpi.bounds import bound
 from equarx_mpi.kernels import rotate as kernels
-from equarx_mpi.names import acc_dtype, kernel_dtype, kernel_view
+from equarx_mpi.names import acc_dtype, kernel_dtype
 
 #: rotate="auto" rotates a call whose sampled blocks' largest squares, summed
 #: over the ranks, exceed AUTO_SCORE times what Gaussian blocks of the same
@@ -72,8 +72,10 @@ class Rotation:
 
     def forward(self, src, y, start=0):
         """y = the rotation of src (flat, caller's type), values numbered
-        from ``start``."""
-        kernels.rotate(src, y, self.size, self.seed, KEY, start)
+        from ``start``.  Returns the error that rounding put on y: rho of
+        src's largest finite magnitude (blocks holding Inf or NaN go exact),
+        which the kernel finds as it reads src."""
+        return self.rho(kernels.rotate(src, y, self.size, self.seed, KEY, start), src.dtype)
 
     def backward(self, z, out, start=0):
         """out = the rotation back of z (accumulation type) into out's type."""
@@ -86,23 +88,23 @@ class Rotation:
         with np.errstate(over="ignore", invalid="ignore"):
             return bound.gamma(self._k + 5, u) * self._root * most + 2 * eta
 
-    def own_error(self, src):
-        """This rank's input error on the rotated values: rho of its largest
-        finite magnitude (blocks holding Inf or NaN go exact)."""
-        return self.rho(bound.largest(kernel_view(src, False)), src.dtype)
-
-    def back(self, z, out):
-        """Per block of z (the rotated result), its largest magnitude and
-        whether rotating it back could overflow the accumulation type or
-        out's type: (magnitudes, risky block indices)."""
-        mags = bound.block_magnitudes(z, self.block, finite_only=True)
+    def back(self, z, out, exact=(), start=0):
+        """out = the rotation back of z (a rotated result, values numbered
+        from ``start``), block by block, except the blocks ``exact``
+        (indices; others ignored) and those whose rotation back could
+        overflow the accumulation type or out's type: they keep out's
+        values (in place, the caller's own, for the exact fix-up).
+        Returns (per block of z its largest finite magnitude, the risky
+        block indices)."""
         grow = 1 + bound.gamma(self._k + 5, bound.acc_rounding(z.dtype)[0])
         top = float(np.finfo(z.dtype).max)
         limit = min(top, bound.out_limit(kernel_dtype(out.dtype)))
-        with np.errstate(over="ignore"):
-            risky = np.flatnonzero((mags * (self.size * grow) >= top)
-                                   | (mags * (self._root * grow) >= limit))
-        return mags, risky
+        most = min(top / (self.size * grow), limit / (self._root * grow)) * (1 - 2.0 ** -40)
+        flags = np.zeros(-(-z.size // self.block), np.uint8)
+        exact = np.asarray(exact, np.int64)
+        flags[exact[(exact >= 0) & (exact < flags.size)]] = 1
+        mags = kernels.unrotate(z, out, self.size, self.seed, KEY, start, self.block, flags, most)
+        return mags, np.flatnonzero(flags & kernels.RISKY)
 
     def x_bound(self, e, mags, dtype):
         """The bound on the caller's values of blocks whose rotated values

@@ -5,7 +5,9 @@ written as LLVM vectors of eight: LLVM vectorizes neither the pairs closer
 than a vector (h = 1, 2, 4) nor, by SLP, the unrolled runs of eight of
 h = 8; these do, with the scalar butterfly's sums in its order, so the
 results are the same bits.  Stages run two at a time where they can (half
-the loads and stores).
+the loads and stores).  Chunks of 64 or more take h64: the stages inside a
+vector become stages across eight vectors after a transpose in registers
+(a third of the shuffles of h8's three stages per vector).
 """
 import numpy as np
 from llvmlite import ir
@@ -91,6 +93,65 @@ def h8(typingctx, a, ao, x, xo, bits, c, last):
     return types.none(a, ao, x, xo, bits, c, last), codegen
 
 
+def _vertical(builder, rows, bits):
+    """Stages across the eight rows (row i pairs with i + b, i's bit b
+    clear), for b in bits in that order: plain vector adds."""
+    rows = list(rows)
+    for b in bits:
+        for i in range(8):
+            if not i & b:
+                u, v = rows[i], rows[i + b]
+                rows[i], rows[i + b] = builder.fadd(u, v), builder.fsub(u, v)
+    return rows
+
+
+def _transpose(builder, V, rows):
+    """The 8 x 8 transpose of eight rows: unpack pairs, then pairs of
+    pairs, then halves (three shuffles deep, as x86 does it)."""
+    def sh(a, b, idx):
+        return builder.shuffle_vector(a, b, V.lanes(*idx))
+    t = []
+    for i in range(0, 8, 2):
+        t += [sh(rows[i], rows[i + 1], (0, 8, 1, 9, 4, 12, 5, 13)),
+              sh(rows[i], rows[i + 1], (2, 10, 3, 11, 6, 14, 7, 15))]
+    lo, hi = (0, 1, 8, 9, 4, 5, 12, 13), (2, 3, 10, 11, 6, 7, 14, 15)
+    s = []
+    for q in (0, 4):                    # t[q], t[q+2] -> columns 0, 1; t[q+1], t[q+3] -> 2, 3
+        s.append([sh(t[q], t[q + 2], lo), sh(t[q], t[q + 2], hi),
+                  sh(t[q + 1], t[q + 3], lo), sh(t[q + 1], t[q + 3], hi)])
+    first, second = (0, 1, 2, 3, 8, 9, 10, 11), (4, 5, 6, 7, 12, 13, 14, 15)
+    return ([sh(s[0][k], s[1][k], first) for k in range(4)]
+            + [sh(s[0][k], s[1][k], second) for k in range(4)])
+
+
+@intrinsic
+def h64(typingctx, a, ao, x, xo, bits, c, last):
+    """The 64 values a[ao:ao+64] as eight rows of eight, each value first
+    flipped by its bit of the uint64 ``bits``: stages 8, 16, 32 (across
+    rows), the transpose, stages 1, 2, 4 (across the rows again), times c
+    if ``last``; row k stored at x[xo+8k] (value 8r + k lands at 8k + r:
+    kernels/rotate.py)."""
+    if not _floats(a, x):
+        return None
+
+    def codegen(context, builder, sig, args):
+        va, vao, vx, vxo, vbits, vc, vlast = args
+        V = _Vec(context, builder, a.dtype)
+        i64 = ir.IntType(64)
+        rows = []
+        for r in range(8):
+            off = builder.add(vao, ir.Constant(vao.type, 8 * r))
+            byte = builder.trunc(builder.lshr(vbits, ir.Constant(i64, 8 * r)), ir.IntType(32))
+            rows.append(V.flip(V.load(sig.args[0], va, off), byte))
+        rows = _vertical(builder, _transpose(builder, V, _vertical(builder, rows, (1, 2, 4))),
+                         (1, 2, 4))
+        for k in range(8):
+            off = builder.add(vxo, ir.Constant(vxo.type, 8 * k))
+            V.store(V.scaled(rows[k], vc, vlast), sig.args[2], vx, off)
+        return context.get_dummy_value()
+    return types.none(a, ao, x, xo, bits, c, last), codegen
+
+
 @intrinsic
 def b4(typingctx, x, k, h, c, last, four):
     """Stages h and 2h (``four``) or stage h alone of the values k + j,
@@ -154,9 +215,9 @@ def small_stages(x, o, m, c):
 
 
 @njit(inline='always', **CACHE)
-def upper_stages(x, o, m, c):
-    """Stages 8, 16, ..., m/2 of x[o:o+m] in place, the last times c."""
-    h = 8
+def upper_stages(x, o, m, c, h):
+    """Stages h, 2h, ..., m/2 of x[o:o+m] in place (h >= 8), the last
+    times c."""
     while h < m:
         four = 4 * h <= m
         last = h * (4 if four else 2) == m

@@ -7,12 +7,17 @@ rotation is exactly invertible.  Per chunk of S values, in the
 accumulation type A (float64 for float64 input, float32 otherwise), with
 c = fl_A(fl64(1 / fl64(sqrt(S)))):
 
-    rotate      y = (H (D x)) * c
-    unrotate    x = D ((H y) * c)
+    rotate      y = (P H (D x)) * c
+    unrotate    x = D ((P H y) * c)
 
 H: Sylvester's Hadamard matrix, applied by the butterfly stage by stage
 (kernels/butterfly.py), the scale one multiply after the last stage (none
-for S = 1).  D flips sign bits (exact, NaN and zeros too): value g of the
+for S = 1).  Below 64 values P is the identity and the stages run 1, 2,
+..., S/2; from 64 on, each 64 values are eight vectors of eight: stages 8,
+16, 32 across them, an 8 x 8 transpose, stages 1, 2, 4 across them again
+(no stage inside a vector), then 64, ..., S/2, and P is the transpose,
+stored as it is.  H = H_(S/64) (x) H_8 (x) H_8 commutes with P, P is its
+own inverse: unrotate is the same procedure with the signs last.  D flips sign bits (exact, NaN and zeros too): value g of the
 piece (g = start + its index) flips where bit g % 64 of
 mix64(stream + (g // 64 + 1) * GOLDEN) is set, stream = (DOMAIN, seed,
 key) absorbed splitmix64-style; each absorption is a bijection, so pieces
@@ -31,7 +36,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import overload
 
-from equarx_mpi.kernels.butterfly import flip8, h8, small_stages, upper_stages
+from equarx_mpi.kernels.butterfly import flip8, h8, h64, small_stages, upper_stages
 from equarx_mpi.kernels.common import (
     CACHE,
     KERNEL,
@@ -45,10 +50,13 @@ from equarx_mpi.kernels.common import (
     u64_as_f64,
     wide_vectors,
 )
+from equarx_mpi.kernels.magnitude import mag_bits, mag_limits, mag_value
 from equarx_mpi.kernels.stochastic import GOLDEN, mix64
 from equarx_mpi.names import KERNEL_DTYPE, acc_dtype
 
 MAX_SIZE = 4096
+#: unrotate's flag of a block it left as it is for its magnitude
+RISKY = np.uint8(2)
 #: absorbed first, so no seed makes the signs replay stochastic rounding's stream
 DOMAIN = 0x524F544154450001
 _U, _MASK = np.uint64, (1 << 64) - 1
@@ -111,9 +119,25 @@ def _bits8(stream, g):
 
 
 @njit(inline='always', **CACHE)
+def _bits64(stream, g):
+    """The sign bits of values g .. g + 63 (bit k: value g + k)."""
+    s = g & _U(63)
+    bits = _word(stream, g >> _U(6)) >> s
+    if s:                               # only for a piece not starting on 64 values
+        bits |= _word(stream, (g >> _U(6)) + _U(1)) << (_U(64) - s)
+    return bits
+
+
+@njit(inline='always', **CACHE)
 def _first(a, ao, x, xo, m, c, stream, g0, signed):
-    """Stages 1, 2 and 4 of a chunk of m >= 8 values, a[ao:ao+m] ->
-    x[xo:xo+m] (may be a), flipping signs first if ``signed``."""
+    """The stages below 64 of a chunk of m >= 8 values, a[ao:ao+m] ->
+    x[xo:xo+m] (may be a), flipping signs first if ``signed``: per 64
+    values the 8 x 8 form (h64: stored transposed), else stages 1, 2, 4."""
+    if m >= 64:
+        for i in range(0, m, 64):
+            bits = _bits64(stream, g0 + _U(i)) if signed else _U(0)
+            h64(a, _U(ao + i), x, _U(xo + i), bits, c, m == 64)
+        return
     k, w = ~_U(0), _U(0)
     for i in range(0, m, 8):
         bits = np.uint32(0)
@@ -140,7 +164,7 @@ def _hadamard(a, ao, x, xo, m, c, stream, g0, signed):
         small_stages(x, xo, m, c)
     else:
         _first(a, ao, x, xo, m, c, stream, g0, signed)
-        upper_stages(x, xo, m, c)
+        upper_stages(x, xo, m, c, 64 if m >= 64 else 8)
 
 
 @njit(inline='always', **CACHE)
@@ -160,17 +184,38 @@ def _chunk(n, lo, size):
     return m
 
 
+@njit(inline='always', **CACHE)
+def _largest(src, lo, m, most):
+    """The larger of ``most`` and the largest finite magnitude bits of
+    src[lo:lo+m] (mag_bits: an integer max that vectorizes; a chunk holding
+    Inf or NaN, rare, is scanned again)."""
+    zero, inf = mag_limits(src)
+    mx = zero
+    for j in range(m):
+        mx = max(mx, mag_bits(src, _U(lo + j)))
+    if mx >= inf:
+        mx = zero
+        for j in range(m):
+            v = mag_bits(src, _U(lo + j))
+            if v < inf and v > mx:
+                mx = v
+    return max(mx, most)
+
+
 @njit(**KERNEL)
 def _rotate(src, out, size, stream, start):
     wide_vectors()
     n = src.size
     cs = as_acc(out, 1.0 / np.sqrt(np.float64(size)))
+    most = mag_limits(src)[0]
     lo = 0
     while lo < n:
         m = _chunk(n, lo, size)
+        most = _largest(src, lo, m, most)
         a, ao = acc_block(src, lo, m, out[lo:])     # 16-bit: converted into out
         _hadamard(a, ao, out, lo, m, _scale(m, out, cs, size), stream, start + _U(lo), True)
         lo += m
+    return mag_value(src, most)
 
 
 def _unsign(work, at, out, lo, m, stream, g0):
@@ -192,17 +237,29 @@ def _unsign_impl(work, at, out, lo, m, stream, g0):
 
 
 @njit(**KERNEL)
-def _unrotate(src, out, work, size, stream, start):
+def _unrotate(src, out, work, size, stream, start, block, flags, most, mags):
     wide_vectors()
     n = src.size
     cs = as_acc(src, 1.0 / np.sqrt(np.float64(size)))
+    zero = mag_limits(src)[0]
     lo = 0
     while lo < n:
-        m = _chunk(n, lo, size)
-        at = lo if work.size == n else 0        # work: out itself or one chunk
-        _hadamard(src, lo, work, at, m, _scale(m, src, cs, size), stream, start, False)
-        _unsign(work, at, out, lo, m, stream, start + _U(lo))
-        lo += m
+        hi = n
+        if mags.size:                           # by blocks: measured, some left as they are
+            b = lo // block
+            hi = min(lo + block, n)
+            mags[b] = mag_value(src, _largest(src, lo, hi - lo, zero))
+            if mags[b] >= most:
+                flags[b] |= RISKY
+            if flags[b]:
+                lo = hi
+                continue
+        while lo < hi:
+            m = _chunk(n, lo, size)             # chunks lie inside blocks (size divides block)
+            at = lo if work.size == n else 0    # work: out itself or one chunk
+            _hadamard(src, lo, work, at, m, _scale(m, src, cs, size), stream, start, False)
+            _unsign(work, at, out, lo, m, stream, start + _U(lo))
+            lo += m
 
 
 def _check(name, src, out, size):
@@ -236,14 +293,30 @@ def rotate(src, out, size, seed, key, start=0):
     """out = the rotation of src: chunks of ``size``, signs from (seed, key)
     and each value's index start + i.  out is of src's accumulation type
     and may be src (float32, float64).  src as float16 / bfloat16 or the
-    kernels' int16 / uint16 views."""
+    kernels' int16 / uint16 views.  Returns src's largest finite magnitude
+    (float; 0.0 if it has none), which the rotation's rounding bound needs."""
     s, o = _check("rotate", src, out, size)
-    _rotate(s, o, np.int64(size), _U(sign_stream(seed, key)), _U(start & _MASK))
+    return _rotate(s, o, np.int64(size), _U(sign_stream(seed, key)), _U(start & _MASK))
 
 
-def unrotate(src, out, size, seed, key, start=0):
+def unrotate(src, out, size, seed, key, start=0, block=None, flags=None, most=np.inf):
     """out = the inverse rotation of src (of out's accumulation type; out
-    may be src), stored in out's type (16-bit: rounded to nearest even)."""
+    may be src), stored in out's type (16-bit: rounded to nearest even).
+
+    With ``block`` (a multiple of size) it goes block by block of src:
+    returns each block's largest finite magnitude (float64); blocks whose
+    ``flags`` (uint8 per block) are set, and those whose magnitude is at
+    least ``most`` (flagged RISKY here), are left as they are in out."""
     s, o = _check("unrotate", src, out, size)
     work = o if o.dtype == s.dtype else np.empty(size, s.dtype)
-    _unrotate(s, o, work, np.int64(size), _U(sign_stream(seed, key)), _U(start & _MASK))
+    nb = 0 if block is None else -(-s.size // block)
+    mags = np.empty(nb, np.float64)
+    if flags is None:
+        flags = np.zeros(nb, np.uint8)
+    if block is not None and not (block % size == 0 and flags.shape == (nb,)
+                                  and flags.dtype == np.uint8):
+        raise ValueError(f"unrotate: block {block} must be a multiple of size {size}, "
+                         f"flags {nb} uint8")
+    _unrotate(s, o, work, np.int64(size), _U(sign_stream(seed, key)), _U(start & _MASK),
+              np.int64(block or 1), flags, np.float64(most), mags)
+    return mags

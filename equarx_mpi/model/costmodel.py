@@ -238,11 +238,12 @@ def _like_int8(int8, wire):
 CORRECTED_LIKE = {name: s.corrected_like for name, s in SCHEDULES.items() if s.corrected_like}
 
 
-#: Sizes the model is tabulated at: quarter octaves from 256 B to 28 GiB.
-#: one rotation pass (rotate, or rotate back), seconds a value on one core
-#: (docs/results/rotate-kernels.txt: 1.6-2.2 ns at sizes 32-256, AMD EPYC;
-#: not measured by tune): a rotated call (option rotate) makes two
+#: one rotation pass (rotate, or rotate back, with its magnitudes), seconds
+#: a value on one core (docs/results/rotate-kernels.txt: 1.2-1.9 ns at sizes
+#: 32-256, AMD EPYC, idle to loaded; not measured by tune): a rotated call
+#: (option rotate) makes two
 ROTATE_S = 2.0e-9
+#: Sizes the model is tabulated at: quarter octaves from 256 B to 28 GiB.
 GRID = [(4 + k % 4) << (6 + k // 4) for k in range(4 * 27)]
 
 

@@ -122,7 +122,8 @@ class _Symmetric(Format):
 
     def block_errors(self, w, rmode):
         a = w[0].astype(np.float64)
-        return self._coef[rmode != ROUND_NEAREST] * a + self._eta, a
+        with np.errstate(over="ignore"):    # a float64 block near its maximum: the bound is Inf
+            return self._coef[rmode != ROUND_NEAREST] * a + self._eta, a
 
     def piece_error(self, w, rmode, limit=math.inf):
         a = _largest_below(w[0], limit)
