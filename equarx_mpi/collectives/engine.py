@@ -172,19 +172,32 @@ class Engine:
         ranges, tally = self._run(algorithm, "allreduce", shards, y, y, "sum", 0, 0, e_y,
                                   feedback)
         e = tally.finish()
-        # blocks that go exact keep recv's values: in place, the caller's own
-        mags, risky = rot.back(y, recv, _blocks_of(ranges, B, 0))
-        ranges = rotation.add_blocks(ranges, risky, B, n)
+        ranges, mags = self._back(y, recv, ranges, 0)
         if feedback is not None:
             feedback.end(y, ranges)
         exact_blocks = _blocks_of(ranges, B, 0)
-        mags[exact_blocks] = 0.0
         x_e = rot.x_bound(e, float(mags.max(initial=0.0)), recv.dtype)
         fixed, fix = 0, 0.0
         if fix_up:
             fixed, fix = exact.fix_allreduce(self.comm, ranges, own, recv, op, e_own)
         self._rotated_record(tally, mags, exact_blocks, fix, n, 0, recv.dtype)
         return (fixed if fix_up else ranges), max(x_e, fix)
+
+    def _back(self, z, out, ranges, lo):
+        """out = z (a rotated result: values lo .. lo + z.size) rotated
+        back, but the blocks that go exact: those ``ranges`` touch and those
+        whose rotation back could overflow, which keep out's values (in
+        place, the caller's own, for the fix-up).  Returns (ranges with the
+        latter added, z's block magnitudes with the exact blocks' zero)."""
+        B, hi = self.opts["block_size"], lo + z.size
+
+        def here(rs):
+            return _blocks_of([(max(a, lo), min(b, hi)) for a, b in rs if a < hi and b > lo],
+                              B, lo)
+        mags, risky = self.active.back(z, out, here(ranges), lo)
+        ranges = rotation.add_blocks(ranges, risky, B, z.size, lo)
+        mags[here(ranges)] = 0.0
+        return ranges, mags
 
     def _rotated_record(self, tally, mags, exact_blocks, fix, n, offset, dtype):
         """The per-block bounds of a rotated call: the schedule's, on the
@@ -216,11 +229,8 @@ class Engine:
                       default=0.0)
             ranges, tally = self._run(algorithm, "reduce_scatter", shards, y, z, name, 0,
                                       r * m, e_y)
-            B = self.opts["block_size"]
-            mags, risky = rot.back(z, out, _blocks_of(ranges, B, r * m), r * m)
-            ranges = rotation.add_blocks(ranges, risky, B, m, r * m)
-            exact_blocks = _blocks_of(ranges, B, r * m)
-            mags[exact_blocks] = 0.0
+            ranges, mags = self._back(z, out, ranges, r * m)
+            exact_blocks = _blocks_of(ranges, self.opts["block_size"], r * m)
             local = rot.x_bound(tally.finish(), float(mags.max(initial=0.0)), out.dtype)
         # each rank's result is its own: the fix-up's agreement shares the bounds
         fixed, fix, most = exact.fix_reduce_scatter(self.comm, ranges, own, out, op, r, m, local)
@@ -245,23 +255,18 @@ class Engine:
             # flagged blocks travel exactly (their owner's bits)
             return exact.fix_allgather(self.comm, ranges, own, recv, r), self._bound(
                 tally, 0.0, recv.size, 0)
-        B = self.opts["block_size"]
         y, z = rot.buffer(m, own.dtype), rot.buffer(recv.size, own.dtype, 1)
         e_y = rot.forward(own, y, r * m)
         ranges, tally = self._run("ring", "allgather", shards, y, z, "sum", r * m, 0, e_y)
-        mags, flagged = [], ranges
+        mags = []
         for lo, _ in shards:              # each shard rotated back on its own
-            # blocks that go exact keep recv's values: in place, own's
-            mine = [(max(a, lo), min(b, lo + m)) for a, b in flagged if a < lo + m and b > lo]
-            mag, risky = rot.back(z[lo:lo + m], recv[lo:lo + m], _blocks_of(mine, B, lo), lo)
-            ranges = rotation.add_blocks(ranges, risky, B, m, lo)
+            ranges, mag = self._back(z[lo:lo + m], recv[lo:lo + m], ranges, lo)
             mags.append(mag)
         mags = np.concatenate(mags) if mags else np.zeros(0)
-        mags[_blocks_of(ranges, B, 0, m)] = 0.0
         fixed = exact.fix_allgather(self.comm, ranges, own, recv, r)
         x_e = rot.x_bound(tally.finish(), float(mags.max(initial=0.0)), recv.dtype)
         # one bound for all (the shards' blocks do not line up with the result's)
-        self.record = bound.Record.constant(recv.size, B, x_e)
+        self.record = bound.Record.constant(recv.size, self.opts["block_size"], x_e)
         return fixed, x_e
 
     def _set_record(self, tally, fix, n, offset):
