@@ -17,7 +17,9 @@ for S = 1).  Below 64 values P is the identity and the stages run 1, 2,
 16, 32 across them, an 8 x 8 transpose, stages 1, 2, 4 across them again
 (no stage inside a vector), then 64, ..., S/2, and P is the transpose,
 stored as it is.  H = H_(S/64) (x) H_8 (x) H_8 commutes with P, P is its
-own inverse: unrotate is the same procedure with the signs last.  D flips sign bits (exact, NaN and zeros too): value g of the
+own inverse: unrotate is the same procedure with the signs last.
+
+D flips sign bits (exact, NaN and zeros too): value g of the
 piece (g = start + its index) flips where bit g % 64 of
 mix64(stream + (g // 64 + 1) * GOLDEN) is set, stream = (DOMAIN, seed,
 key) absorbed splitmix64-style; each absorption is a bijection, so pieces
