@@ -4,8 +4,9 @@ with and without a randomized Hadamard rotation before it quantizes.
     python -m equarx_mpi.bench quality [--n N] [--size S] [--wires W,W]
         [--data gaussian,heavy,minilm] [--ranks P] [--json F] [--plot F.png]
 
-One process, no MPI, float32.  For every block wire (int8, int4, fp8, int3, int2,
-int8-affine, int4-affine at their default blocks, or --block) and every
+One process, no MPI, float32.  For every block wire (formats.ROTATE_WIRES:
+int8, int4, fp8, the affine ones, int3, int2, int5, int6 at their default
+blocks, or --block) and every
 data set, the values go through ONE encode and decode of the library's own
 format (wire/formats.py), as they are, and rotated first (kernels/rotate.py:
 chunks of --size values, default each wire's block; the inverse applied

@@ -91,7 +91,7 @@ class Rotation:
     def back(self, z, out, exact=(), start=0):
         """out = the rotation back of z (a rotated result, values numbered
         from ``start``), block by block, except the blocks ``exact``
-        (indices; others ignored) and those whose rotation back could
+        (indices of z's blocks) and those whose rotation back could
         overflow the accumulation type or out's type: they keep out's
         values (in place, the caller's own, for the exact fix-up).
         Returns (per block of z its largest finite magnitude, the risky
@@ -101,8 +101,7 @@ class Rotation:
         limit = min(top, bound.out_limit(kernel_dtype(out.dtype)))
         most = min(top / (self.size * grow), limit / (self._root * grow)) * (1 - 2.0 ** -40)
         flags = np.zeros(-(-z.size // self.block), np.uint8)
-        exact = np.asarray(exact, np.int64)
-        flags[exact[(exact >= 0) & (exact < flags.size)]] = 1
+        flags[np.asarray(exact, np.int64)] = 1
         mags = kernels.unrotate(z, out, self.size, self.seed, KEY, start, self.block, flags, most)
         return mags, np.flatnonzero(flags & kernels.RISKY)
 

@@ -1,8 +1,8 @@
 """The magnitude bits of kernel elements: unsigned integers that order like
 the magnitudes (Inf above every finite value, NaN above Inf), so a largest
 magnitude is an integer max() that vectorizes, where a float one that must
-skip NaN does not.  Used by the error bound's magnitude pass (block_absmax, for bounds/bound.py) and
-the shared window's kernels (kernels/shm.py)."""
+skip NaN does not.  Used by the error bound's magnitude pass (block_absmax, for bounds/bound.py),
+the shared window's kernels (kernels/shm.py) and the rotation's (kernels/rotate.py)."""
 import numpy as np
 from numba import njit, types
 from numba.extending import overload
@@ -61,24 +61,33 @@ def _mag_value(src, bits):
     return lambda src, bits: np.float64(bf16_to_f32(bits))
 
 
+@njit(inline='always', **CACHE)
+def absmax_bits(src, lo, m, finite_only):
+    """The magnitude bits (mag_bits) of the largest value of src[lo:lo+m]:
+    of its finite values only, or at least Inf's if it holds Inf or NaN.
+    On the bits, which order like the magnitudes: an integer max()
+    vectorizes; a run holding Inf or NaN (rare) is scanned again."""
+    zero, inf = mag_limits(src)
+    b = np.uint64(lo)
+    mx = zero
+    for j in range(m):
+        mx = max(mx, mag_bits(src, b + np.uint64(j)))
+    if mx >= inf and finite_only:
+        mx = zero
+        for j in range(m):
+            x = mag_bits(src, b + np.uint64(j))
+            if x < inf and x > mx:
+                mx = x
+    return mx
+
+
 @njit(**CACHE)
 def block_absmax(values, block, finite_only, out):
     """out[b] = the largest magnitude in block b of ``values`` (a kernel
-    view): of its finite values only, or Inf if it holds Inf or NaN.  On
-    the magnitudes' bits, which order like the magnitudes: an integer max()
-    vectorizes; a block holding Inf or NaN (rare) is scanned again."""
-    zero, inf = mag_limits(values)
+    view): of its finite values only, or Inf if it holds Inf or NaN."""
+    inf = mag_limits(values)[1]
     n = values.size
     for b in range(out.size):
         lo = b * block
-        hi = min(lo + block, n)
-        mx = zero
-        for i in range(lo, hi):
-            mx = max(mx, mag_bits(values, np.uint64(i)))
-        if mx >= inf and finite_only:
-            mx = zero
-            for i in range(lo, hi):
-                x = mag_bits(values, np.uint64(i))
-                if x < inf and x > mx:
-                    mx = x
+        mx = absmax_bits(values, lo, min(lo + block, n) - lo, finite_only)
         out[b] = np.inf if mx >= inf else mag_value(values, mx)

@@ -52,7 +52,7 @@ from equarx_mpi.kernels.common import (
     u64_as_f64,
     wide_vectors,
 )
-from equarx_mpi.kernels.magnitude import mag_bits, mag_limits, mag_value
+from equarx_mpi.kernels.magnitude import absmax_bits, mag_limits, mag_value
 from equarx_mpi.kernels.stochastic import GOLDEN, mix64
 from equarx_mpi.names import KERNEL_DTYPE, acc_dtype
 
@@ -186,24 +186,6 @@ def _chunk(n, lo, size):
     return m
 
 
-@njit(inline='always', **CACHE)
-def _largest(src, lo, m, most):
-    """The larger of ``most`` and the largest finite magnitude bits of
-    src[lo:lo+m] (mag_bits: an integer max that vectorizes; a chunk holding
-    Inf or NaN, rare, is scanned again)."""
-    zero, inf = mag_limits(src)
-    mx = zero
-    for j in range(m):
-        mx = max(mx, mag_bits(src, _U(lo + j)))
-    if mx >= inf:
-        mx = zero
-        for j in range(m):
-            v = mag_bits(src, _U(lo + j))
-            if v < inf and v > mx:
-                mx = v
-    return max(mx, most)
-
-
 @njit(**KERNEL)
 def _rotate(src, out, size, stream, start):
     wide_vectors()
@@ -213,7 +195,7 @@ def _rotate(src, out, size, stream, start):
     lo = 0
     while lo < n:
         m = _chunk(n, lo, size)
-        most = _largest(src, lo, m, most)
+        most = max(most, absmax_bits(src, lo, m, True))
         a, ao = acc_block(src, lo, m, out[lo:])     # 16-bit: converted into out
         _hadamard(a, ao, out, lo, m, _scale(m, out, cs, size), stream, start + _U(lo), True)
         lo += m
@@ -243,14 +225,13 @@ def _unrotate(src, out, work, size, stream, start, block, flags, most, mags):
     wide_vectors()
     n = src.size
     cs = as_acc(src, 1.0 / np.sqrt(np.float64(size)))
-    zero = mag_limits(src)[0]
     lo = 0
     while lo < n:
         hi = n
         if mags.size:                           # by blocks: measured, some left as they are
             b = lo // block
             hi = min(lo + block, n)
-            mags[b] = mag_value(src, _largest(src, lo, hi - lo, zero))
+            mags[b] = mag_value(src, absmax_bits(src, lo, hi - lo, True))
             if mags[b] >= most:
                 flags[b] |= RISKY
             if flags[b]:

@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from equarx_mpi.kernels.common import OP_SUM, load, reduce2, store
-from equarx_mpi.kernels.magnitude import mag_bits, mag_limits, mag_value
+from equarx_mpi.kernels.magnitude import absmax_bits, mag_value
 
 _CACHE = dict(cache=True, nogil=True)
 #: Values per tile of the fused reduction: the accumulator of one tile stays
@@ -60,18 +60,8 @@ def _absmax_tile(src, b, m, mx):
     """The largest of mx and the finite magnitudes of src[b:b+m], as
     float64.  On the magnitudes' bits: an integer maximum vectorizes, a
     float one that must skip NaN does not; a tile holding Inf or NaN is
-    scanned again without them."""
-    zero, inf = mag_limits(src)
-    best = zero
-    for j in range(m):
-        best = max(best, mag_bits(src, b + np.uint64(j)))
-    if best >= inf:
-        best = zero
-        for j in range(m):
-            x = mag_bits(src, b + np.uint64(j))
-            if x < inf and x > best:
-                best = x
-    v = mag_value(src, best)
+    scanned again without them (magnitude.absmax_bits)."""
+    v = mag_value(src, absmax_bits(src, b, m, True))
     return v if v > mx else mx
 
 
