@@ -32,8 +32,8 @@ rounding of x + e to their type).  Kept negated (``ErrorFeedback``): a
 zero residual then leaves -0.0 as it is.
 
 The losses are measured around the schedule, not in it: a proxy of the
-wire format (``format``) decodes what each encode or hop produced and
-compares; the position of a piece is where its ``own`` view starts in the
+wire format (``format``, wire/watched.py) decodes what each encode or hop
+produced and compares; the position of a piece is where its ``own`` view starts in the
 input.  Works with the ring and two-shot schedules (Allreduce, op SUM);
 hierarchical calls raise ValueError.
 """
@@ -45,11 +45,9 @@ from numpy.typing import DTypeLike
 
 from equarx_mpi.collectives.registry import SCHEDULES
 from equarx_mpi.kernels.gap import max_finite_gap
-from equarx_mpi.names import QUANTIZED_DTYPES, VALUE_DTYPE, acc_dtype, kernel_view
+from equarx_mpi.names import QUANTIZED_DTYPES, acc_dtype, kernel_view
 from equarx_mpi.wire.streams import address
-
-#: the numpy type of each 16-bit kernel element type
-_WIDE = {kd: d for kd, d in VALUE_DTYPE.items() if kd.itemsize == 2}
+from equarx_mpi.wire.watched import WIDE, Watched
 
 
 class ErrorFeedback:
@@ -70,7 +68,7 @@ class ErrorFeedback:
     def reset(self) -> None:
         """Drop the residual: the next call starts afresh, with any shape."""
         self._count = self._dtype = None
-        self._gain = self._next = self._adj = self._tmp = None
+        self._gain = self._next = self._adj = None
         self._flagged: list[tuple[int, int]] = []
         #: the rotation (collectives/rotation.py) the residual is kept in, or None
         self._rotation = None
@@ -176,12 +174,11 @@ class ErrorFeedback:
         gap = max_finite_gap(kernel_view(self._adj, False), kernel_view(own, False))
         return float(gap) * (1 + 2.0 ** -50)
 
-    def format(self, fmt, own, out):
+    def format(self, fmt, own, out, tmp, watchers=()):
         """The call's wire format, noting each quantization's loss; own and
-        out are the kernel views of the call's input (``begin``) and output."""
-        if self._tmp is None:                    # partial sums and decoded values
-            self._tmp = np.empty((2, self._count), self._gain.dtype)
-        return _Losses(fmt, self, own, out)
+        out are the kernel views of the call's input (``begin``) and output,
+        ``tmp`` and ``watchers`` as wire/watched.py's."""
+        return _Losses(fmt, self, own, out, tmp, watchers)
 
     def end(self, result, exact=()):
         """After the call (``result``: its flat output): flagged blocks, the
@@ -217,67 +214,26 @@ def check(fb, opname, recv, method):
     return None
 
 
-class _Losses:
+class _Losses(Watched):
     """A wire format that adds to the residual what each of this rank's
-    quantizations loses, at the positions of the values it quantized.
-    Everything else (nbytes, views, stack_views...) is the format's own."""
+    quantizations loses, at the positions of the values it quantized."""
 
-    def __init__(self, fmt, fb, own, out):
-        self._fmt, self._fb = fmt, fb
-        self.block, self.name = fmt.block, fmt.name
+    def __init__(self, fmt, fb, own, out, tmp, watchers):
+        super().__init__(fmt, tmp, (self._lose,) + tuple(watchers))
+        self._fb = fb
         self._own, self._item = address(own), own.itemsize
         self._out, self._oitem = address(out), out.itemsize
-        self._wide = _WIDE.get(out.dtype)      # 16-bit output: the final store rounds
-        self._v, self._d = fb._tmp
-        self._mine = set()                     # ids of the w this rank quantized into
+        self._wide = WIDE.get(out.dtype)       # 16-bit output: the final store rounds
 
-    def __getattr__(self, name):
-        return getattr(self._fmt, name)
-
-    def _at(self, own):
-        return (address(own) - self._own) // self._item
-
-    def _values(self, src):
-        """src (a kernel view) in the accumulation type."""
-        if src.dtype == self._v.dtype:
-            return src
-        v = self._v[:src.size]
-        v[...] = src.view(_WIDE[src.dtype])
-        return v
-
-    def _lose(self, v, w, at):
-        """gain[at:at+n] += D(w) - v, but nothing in blocks w flags."""
-        d = self._d[:v.size]
-        skipped = self._fmt.decode(w, d)
-        d -= v
-        B = self.block
-        for b in skipped:
-            d[b * B:(b + 1) * B] = 0
-        self._fb._next[at:at + v.size] += d
-
-    def encode(self, src, w, rmode, at=None):
-        self._fmt.encode(src, w, rmode, at)
-        self._lose(self._values(src), w, self._at(src))
-
-    def decode_reduce_encode(self, own, wi, wo, op, rmode, at=None):
-        # the partial sum first: wi may be wo (the hop in place)
-        v = self._v[:own.size]
-        self._fmt.decode_reduce(own, wi, v, op)
-        self._fmt.decode_reduce_encode(own, wi, wo, op, rmode, at)
-        self._mine.add(id(wo))
-        self._lose(v, wo, self._at(own))
-
-    def decode_reduce_encode_many(self, own, pos, ws, wo, op, rmode):
-        v = self._v[:own.size]
-        self._fmt.decode_reduce_many(own, pos, ws, v, op)
-        self._fmt.decode_reduce_encode_many(own, pos, ws, wo, op, rmode)
-        self._mine.add(id(wo))
-        self._lose(v, wo, self._at(own))
+    def _lose(self, d, own, w):
+        """gain[at:at+n] += D(w) - v (zero in the blocks w flags)."""
+        at = (address(own) - self._own) // self._item
+        self._fb._next[at:at + d.size] += d
 
     def decode(self, w, out):
         n = out.size
         at = (address(out) - self._out) // self._oitem
-        final = self._wide is not None and id(w) in self._mine
+        final = self._wide is not None and id(w) in self.reduced
         if final:                              # our own finished shard, into 16 bits
             d = self._d[:n]
             self._fmt.decode(w, d)

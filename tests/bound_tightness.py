@@ -3,6 +3,13 @@ last_error_bound / the largest observed |result - exact| per wire and
 algorithm.
 
     mpirun -n 4 python tests/bound_tightness.py [values] [repeats]
+
+With ``--measured``: the format's bound and the measured one
+(measured_bounds=True) of rotated and unrotated calls, on heavy-tailed
+data (Student-t, every 97th value 40x; tests/test_mpi_rotate.py's) and
+normal data, each rank its own values.
+
+    mpirun -n 4 python tests/bound_tightness.py --measured [values]
 """
 import sys
 
@@ -14,8 +21,10 @@ from equarx_mpi.wire import formats
 
 WORLD = MPI.COMM_WORLD
 P, R = WORLD.Get_size(), WORLD.Get_rank()
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 1 << 18
-REPEATS = int(sys.argv[2]) if len(sys.argv) > 2 else 15
+MEASURED = "--measured" in sys.argv
+ARGS = [a for a in sys.argv[1:] if a != "--measured"]
+N = int(ARGS[0]) if ARGS else 1 << 16 if MEASURED else 1 << 18
+REPEATS = int(ARGS[1]) if len(ARGS) > 1 else 15
 
 
 def inputs(dtype):
@@ -41,5 +50,39 @@ def tightness():
                   f"{np.median(blocks):.3e}", flush=True)
 
 
+def own_values(kind, rank):
+    rng = np.random.default_rng(100 + rank)
+    if kind == "gauss":
+        return rng.standard_normal(N).astype(np.float32)
+    x = rng.standard_t(3, N)
+    x[::97] *= 40
+    return x.astype(np.float32)
+
+
+def measured():
+    if R == 0:
+        print(f"# {P} ranks, {N} float32 values per rank; ratio = last_error_bound / "
+              f"max |result - exact|\n# data   wire  alg       rotate  max error   format's "
+              f"(ratio)   measured (ratio)")
+    for kind in ("heavy", "gauss"):
+        xs = [own_values(kind, k) for k in range(P)]
+        exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+        for wire, alg in (("int8", "ring"), ("int8", "two_shot"), ("int4", "ring"),
+                          ("int4", "two_shot"), ("int3", "two_shot")):
+            for rotate in (False, True):
+                b = {}
+                for m in (False, True):
+                    with QuantizedComm(WORLD, wire=wire, algorithm=alg, rotate=rotate,
+                                       measured_bounds=m, min_quantized_bytes=0) as qc:
+                        out = qc.allreduce(xs[R])
+                        b[m] = qc.last_error_bound
+                worst = WORLD.allreduce(float(np.abs(out.astype(np.float64) - exact).max()),
+                                        MPI.MAX)
+                if R == 0:
+                    print(f"  {kind:6} {wire:5} {alg:9} {rotate!s:6} {worst:9.4g} "
+                          f"{b[False]:10.4g} ({b[False] / worst:5.1f}) {b[True]:10.4g} "
+                          f"({b[True] / worst:5.2f})", flush=True)
+
+
 if __name__ == "__main__":
-    tightness()
+    measured() if MEASURED else tightness()

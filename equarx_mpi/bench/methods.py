@@ -73,6 +73,11 @@ METHODS = {
                        dict(RING, wire="int4", block_size=64, rotate=True)),
     "int8-rot": Method("int8 ring at every size, rotated (rotate=True)",
                        dict(RING, wire="int8", rotate=True)),
+    "int8-rot-meas": Method("int8 ring at every size, rotated, measured_bounds=True (each "
+                            "quantization's error rotated back and bounded)",
+                            dict(RING, wire="int8", rotate=True, measured_bounds=True)),
+    "int8-meas": Method("int8 ring at every size, measured_bounds=True",
+                        dict(RING, wire="int8", measured_bounds=True)),
     "int4-rot-2s": Method("int4 two-shot at every size, block 64, rotated (rotate=True)",
                              dict(EVERY, wire="int4", block_size=64, rotate=True,
                                   algorithm="two_shot")),

@@ -173,8 +173,10 @@ class Tally:
     the piece is all-gathered, so its kept blocks are those the final
     decode keeps (below the 16-bit output limit)."""
 
-    def __init__(self, fmt, kdtype, op_sum, rmode, e_own=0.0):
+    def __init__(self, fmt, kdtype, op_sum, rmode, e_own=0.0, measured=None):
         self.fmt, self.rmode, self.sum, self.e = fmt, rmode, op_sum, float(e_own)
+        #: a bounds.measured.Measured, or None: the format's bounds
+        self.measured = measured
         self.u = acc_rounding(kdtype)[0]
         #: blocks the final decode keeps have magnitudes below this
         self.limit = out_limit(kdtype) if fmt.skips_overflow else math.inf
@@ -189,8 +191,13 @@ class Tally:
     def _combine(self, errors):
         return sum(errors) if self.sum else max(errors)
 
-    def _write(self, p, pre, final):
+    def _error(self, p, final):
+        """(quantization bound, largest magnitude quantized) of piece p."""
         q, m = self.fmt.piece_error(p.w, self.rmode, self.limit if final else math.inf)
+        return (q, m) if self.measured is None else self.measured.adjust(p.w, q, m)
+
+    def _write(self, p, pre, final):
+        q, m = self._error(p, final)
         if self.sum:                 # the rounding of the addition that made these values
             pre += self.u * m
         p.t[0], p.t[1], p.t[2] = pre, pre + q, m
@@ -199,7 +206,7 @@ class Tally:
 
     def start(self, p, final=False):
         """p holds this rank's own values, quantized."""
-        q, m = self.fmt.piece_error(p.w, self.rmode, self.limit if final else math.inf)
+        q, m = self._error(p, final)
         p.t[0], p.t[1], p.t[2] = self.e, self.e + q, m
         if final:
             self.final.append(p)
@@ -222,7 +229,7 @@ class Tally:
         quantized: hop's bound with e_acc in place of the raw input's.
         ``held=False``: a final piece this rank sends but whose values are
         not part of its own result (a folded rank's Reduce_scatter shard)."""
-        q, m = self.fmt.piece_error(p.w, self.rmode, self.limit if final else math.inf)
+        q, m = self._error(p, final)
         pre = self._combine((e_in, e_acc)) + (self.u * m if self.sum else 0.0)
         p.t[0], p.t[1], p.t[2] = pre, pre + q, m
         if final and held:
@@ -253,7 +260,7 @@ class Tally:
         """p holds the owner's reduction of own and the messages with these
         trailers, quantized."""
         e, k, A = self._many(trailers)
-        q, m = self.fmt.piece_error(p.w, self.rmode, self.limit if final else math.inf)
+        q, m = self._error(p, final)
         if self.sum:
             e += self._adds(k, m, A)
         p.t[0], p.t[1], p.t[2] = e, e + q, m

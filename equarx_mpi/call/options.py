@@ -47,6 +47,7 @@ DEFAULTS = dict(
     check=True,             # "all": MPI's own path agreed too (debugging, porting)
     lossy_margin=1.25,      # auto and the named algorithms' floors: lossy only this much faster
     exact_bounds=False,     # exact float SUMs through MPI: compute their bound on every call
+    measured_bounds=False,  # quantized calls: bound each quantization by its measured error
     max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
     rounding="nearest",     # of SUM's codes; "stochastic": unbiased, keyed by seed
     seed=0,
@@ -93,7 +94,7 @@ def _parse_env(name, text):
         return "all"
     if name == "rotate" and (t.isdigit() and int(t) > 1 or t.lower() == "auto"):
         return int(t) if t.isdigit() else "auto"
-    if name in ("check", "lossy_allgather", "exact_bounds", "rotate"):
+    if name in ("check", "lossy_allgather", "exact_bounds", "measured_bounds", "rotate"):
         if t.lower() in ("1", "true", "yes", "on"):
             return True
         if t.lower() in ("0", "false", "no", "off"):
@@ -193,6 +194,9 @@ def _check_tolerance(o):
     if o["rounding"] != "nearest" or o["accuracy"] not in (None, "exact"):
         raise ValueError(f"{tols[0]}= picks the rounding and the error itself: leave "
                          f"rounding and accuracy unset")
+    if o["measured_bounds"]:
+        raise ValueError(f"{tols[0]}= budgets each block's error before it is coded: "
+                         f"measured_bounds does not apply")
 
 
 def _check_rotate(o, block):
@@ -253,7 +257,7 @@ def check(o):
                          f"predicted 25% faster than exact), not {lm!r}")
     if not isinstance(o["check"], (bool, np.bool_)) and o["check"] != "all":
         raise ValueError(f"check must be True, False or 'all', not {o['check']!r}")
-    for name in ("lossy_allgather", "exact_bounds"):
+    for name in ("lossy_allgather", "exact_bounds", "measured_bounds"):
         if not isinstance(o[name], (bool, np.bool_)):
             raise ValueError(f"{name} must be True or False, not {o[name]!r}")
     if o["rounding"] not in ROUNDINGS:

@@ -9,6 +9,7 @@ import math
 import numpy as np
 
 from equarx_mpi.bounds import bound
+from equarx_mpi.bounds.measured import Measured
 from equarx_mpi.collectives import exact, rotation
 from equarx_mpi.collectives.nodes import in_turn
 from equarx_mpi.collectives.pieces import chunks as pieces_per_shard
@@ -24,6 +25,7 @@ from equarx_mpi.names import (
 )
 from equarx_mpi.wire import formats
 from equarx_mpi.wire.threaded import Threaded
+from equarx_mpi.wire.watched import Watched
 
 _ROUTE_CACHE = 8
 
@@ -114,6 +116,7 @@ class Engine:
         self._warm = set()
         self._routes = collections.OrderedDict()
         self._ws = np.empty(0, np.uint8)
+        self._tmp = {}
         self.record = None
         #: the error-bounded mode's tolerance.Budget of the next call (its
         #: "mixed" format's), set by QuantizedComm
@@ -129,6 +132,7 @@ class Engine:
     def free(self):
         self._routes.clear()
         self._ws = None
+        self._tmp.clear()
         if self.rotation is not None:
             self.rotation.free()
 
@@ -170,7 +174,7 @@ class Engine:
         if feedback is not None:
             e_y += feedback.begin_rotated(y, recv.dtype)
         ranges, tally = self._run(algorithm, "allreduce", shards, y, y, "sum", 0, 0, e_y,
-                                  feedback)
+                                  feedback, rotated=True)
         e = tally.finish()
         ranges, mags = self._back(y, recv, ranges, 0)
         if feedback is not None:
@@ -228,7 +232,7 @@ class Engine:
             e_y = max((rot.forward(own[lo:lo + m], y[lo:lo + m], lo) for lo, _ in shards),
                       default=0.0)
             ranges, tally = self._run(algorithm, "reduce_scatter", shards, y, z, name, 0,
-                                      r * m, e_y)
+                                      r * m, e_y, rotated=True)
             ranges, mags = self._back(z, out, ranges, r * m)
             exact_blocks = _blocks_of(ranges, self.opts["block_size"], r * m)
             local = rot.x_bound(tally.finish(), float(mags.max(initial=0.0)), out.dtype)
@@ -257,7 +261,8 @@ class Engine:
                 tally, 0.0, recv.size, 0)
         y, z = rot.buffer(m, own.dtype), rot.buffer(recv.size, own.dtype, 1)
         e_y = rot.forward(own, y, r * m)
-        ranges, tally = self._run("ring", "allgather", shards, y, z, "sum", r * m, 0, e_y)
+        ranges, tally = self._run("ring", "allgather", shards, y, z, "sum", r * m, 0, e_y,
+                                  rotated=True)
         mags = []
         for lo, _ in shards:              # each shard rotated back on its own
             ranges, mag = self._back(z[lo:lo + m], recv[lo:lo + m], ranges, lo)
@@ -279,7 +284,7 @@ class Engine:
         self._set_record(tally, fix, n, offset)
         return max(tally.finish(), fix)
 
-    def _format(self, kdtype, algorithm, kind, rmode, feedback):
+    def _format(self, kdtype, algorithm, kind, rmode, watched):
         fmt = self._formats.get(kdtype.str)
         if fmt is None:
             wire, block = self.opts["wire"], self.opts["block_size"]
@@ -289,8 +294,9 @@ class Engine:
             if wire == formats.MODE_WIRE:
                 fmt.place(self.one_node)        # prediction pays across nodes only
             self._formats[kdtype.str] = fmt
-        # error feedback decodes what each quantization sent: every kernel
-        algorithm = None if feedback else algorithm
+        # a watched format (error feedback, measured bounds) decodes what
+        # each quantization sent: every kernel
+        algorithm = None if watched else algorithm
         key = (algorithm, kind, kdtype.str, rmode == ROUNDING["sum"])
         if key not in self._warm:
             # every rank gets here in the same call: one rank per node
@@ -301,6 +307,29 @@ class Engine:
             self._warm.add(key)
         return fmt
 
+    def _watched(self, fmt, own, out, feedback, rotated):
+        """(the format the schedule runs: fmt, shown to error feedback and
+        to measured bounds as the call asks (wire/watched.py), the
+        bounds.measured.Measured or None)."""
+        measured = bool(self.opts["measured_bounds"])
+        if not measured and feedback is None:
+            return fmt, None
+        # pieces and partial sums (rabenseifner's folds) are at most own's length
+        k = 2 + measured
+        tmp = self._scratch(k * own.size, acc_dtype(own.dtype)).reshape(k, own.size)
+        m = Measured(self.active if rotated else None, own.dtype, tmp[2]) if measured else None
+        watchers = (m,) if measured else ()
+        if feedback is not None:
+            return feedback.format(fmt, own, out, tmp[:2], watchers), m
+        return Watched(fmt, tmp[:2], watchers), m
+
+    def _scratch(self, n, dtype):
+        """n values of dtype for the watched formats (kept for the next call)."""
+        buf = self._tmp.get(dtype.str)
+        if buf is None or buf.size < n:
+            buf = self._tmp[dtype.str] = np.empty(n, dtype)
+        return buf[:n]
+
     def _workspace(self, nbytes):
         if self._ws.size < nbytes:
             self._routes.clear()
@@ -308,13 +337,15 @@ class Engine:
         return self._ws
 
     def _run(self, algorithm, kind, shards, own, out, name, own_offset, out_offset,
-             e_own=0.0, feedback=None):
-        """Run a schedule; own and out are the caller's arrays.  Returns the
-        flagged ranges and the bound.Tally."""
+             e_own=0.0, feedback=None, rotated=False):
+        """Run a schedule; own and out are the caller's arrays (``rotated``:
+        the active rotation's values).  Returns the flagged ranges and the
+        bound.Tally."""
         own = kernel_view(own, writable=False)
         out = kernel_view(out, writable=True)
         rmode = rounding(name, self.opts["rounding"])
-        fmt = self._format(own.dtype, algorithm, kind, rmode, feedback is not None)
+        fmt = self._format(own.dtype, algorithm, kind, rmode,
+                           feedback is not None or self.opts["measured_bounds"])
         biggest = max(length for _, length in shards) * own.dtype.itemsize
         chunks = pieces_per_shard(self.opts, self.one_node, biggest)
         schedule = SCHEDULES[algorithm]
@@ -331,12 +362,11 @@ class Engine:
         if rmode == ROUND_STOCHASTIC:
             fmt.begin_call(self.opts["seed"], self.rank, own, own_offset)
         fmt.budget = self.budget
-        tally = bound.Tally(fmt, own.dtype, name == "sum", rmode, e_own)
-        if feedback is not None:
-            fmt = feedback.format(fmt, own, out)
+        watched, measured = self._watched(fmt, own, out, feedback, rotated)
+        tally = bound.Tally(fmt, own.dtype, name == "sum", rmode, e_own, measured)
         try:
-            ranges = schedule.run(self.comm, route, fmt, own, out, KERNEL_OP[name], rmode, tally,
-                                  own_offset, out_offset)
+            ranges = schedule.run(self.comm, route, watched, own, out, KERNEL_OP[name], rmode,
+                                  tally, own_offset, out_offset)
         except BaseException as exc:
             # peers wait inside the schedule for this rank's messages
             fail(self.comm, exc)
