@@ -127,7 +127,7 @@ for n in $RANKS; do
 done
 # Rabenseifner on 5 ranks: the fold onto 4 and two halving steps
 run_mpi 5 "rabenseifner at 5 ranks (folded onto 4)" -m "mpi and not large" -k rabenseifner \
-    tests/test_mpi_rabenseifner.py tests/test_mpi_schedules.py
+    tests/test_mpi_rabenseifner.py tests/test_mpi_schedules.py tests/test_mpi_measured.py
 
 # --- node-aware schedules on faked node layouts (A nodes of B ranks) -----------------
 for layout in ${LAYOUTS:-2x2 2x3 4x2}; do
@@ -136,6 +136,7 @@ for layout in ${LAYOUTS:-2x2 2x3 4x2}; do
         tests/test_mpi_hierarchical.py tests/test_mpi_auto.py \
         tests/test_mpi_bound.py::test_hierarchical_bound_holds \
         tests/test_mpi_rotate.py::test_hierarchical_rotates \
+        tests/test_mpi_measured.py::test_hierarchical_is_measured \
         tests/test_mpi_nonfinite.py::test_hierarchical_nonfinite_blocks_are_mpis
 done
 

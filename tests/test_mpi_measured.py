@@ -18,6 +18,7 @@ from mpi_helpers import everywhere, raises_everywhere
 from test_mpi_rotate import BF16, heavy, limits
 
 from equarx_mpi import ErrorFeedback, QuantizedComm
+from equarx_mpi.wire import threaded
 
 pytestmark = pytest.mark.mpi(min_size=1)
 WORLD = MPI.COMM_WORLD
@@ -192,3 +193,11 @@ def test_bad_options_raise_on_every_rank():
 def test_stochastic_rounding_is_measured():
     x = np.random.default_rng(WORLD.Get_rank()).standard_normal(4096).astype(np.float32)
     check(x, wire="int8", rounding="stochastic", algorithm="two_shot")
+
+
+def test_threaded_kernels_are_measured(monkeypatch):
+    monkeypatch.setattr(threaded, "MIN_PART", 2048)    # small parts: pieces are cut
+    monkeypatch.setenv("EQUARX_MPI_THREAD_WARNING", "0")    # more threads than cores: meant
+    x = heavy(3 * 2048 * max(WORLD.Get_size(), 2) + 1234, WORLD.Get_rank())
+    for rotate in (False, True):
+        check(x, wire="int4", rotate=rotate, threads=2)

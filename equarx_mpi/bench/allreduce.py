@@ -59,8 +59,10 @@ DATA = {
                _smooth),
 }
 
-def _entries(table, width):
+def _entries(table):
     """``name  words`` lines of a --help table, the words wrapped under themselves."""
+    table = list(table)
+    width = 4 + max(len(name) for name, _ in table)
     out = []
     for name, words in table:
         out.append(textwrap.fill(" ".join(words.split()), 90,
@@ -79,9 +81,9 @@ def build_parser(commands=""):
               "       python -m equarx_mpi.bench COMMAND [options]",
         description=__doc__.split("\n\n")[2],
         epilog=(commands + "\n\n" if commands else "")
-        + "methods (-m):\n" + _entries(((m, d.about) for m, d in METHODS.items()), 15)
+        + "methods (-m):\n" + _entries((m, d.about) for m, d in METHODS.items())
         + textwrap.fill(PIECES, 90, initial_indent="  ", subsequent_indent="  ")
-        + "\n\ndata (--data):\n" + _entries(((k, d) for k, (d, _) in DATA.items()), 11)
+        + "\n\ndata (--data):\n" + _entries((k, d) for k, (d, _) in DATA.items())
         + "\nsizes (-b, -e): bytes per rank, K/M/G = 1024, 1024**2, 1024**3 (4K, 1.5M, 64KiB)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-b", "--minbytes", type=size, metavar="SIZE", default=parse_size("4K"),
