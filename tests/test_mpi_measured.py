@@ -140,6 +140,18 @@ def test_bad_values(dtype, alg):
         check(x.astype(dtype), algorithm=alg, wire="int8", block_size=B, rotate=rotate)
 
 
+def test_partial_sums_past_float16s_range_are_measured():
+    """float16 blocks whose partial sums pass 65504 on the way and come back
+    (+-60000 on alternate pairs of ranks): the ring's hops quantize them in
+    float32, and their losses count, though a float16 decode would skip
+    them."""
+    r = WORLD.Get_rank()
+    x = np.random.default_rng(r).standard_normal(4096) * 100
+    x += 60000.0 if (r // 2) % 2 == 0 else -60000.0     # sums 0, 60000 or 120000
+    for alg in ("ring", "rabenseifner"):
+        check(x.astype(np.float16), algorithm=alg, wire="int8", block_size=64)
+
+
 @pytest.mark.parametrize("rotate", [False, True])
 def test_feedback_is_unchanged(rotate):
     """With error feedback: the same results and residuals call after call,

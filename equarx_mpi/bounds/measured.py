@@ -43,14 +43,15 @@ class Measured:
     def __call__(self, e, own, w):
         """A watcher (wire/watched.py): e = D(w) - v of the piece w."""
         rot, u = self._rot, self._u
-        if rot is None:
-            t = largest(e) / (1 - u)
-        else:
+        # Inf or NaN (a plain wire's store overflowed: that result is Inf;
+        # a transform that overflowed) makes t Inf: the format's bound stands
+        E = largest(e, finite_only=False)
+        t = E / (1 - u)
+        if rot is not None and t < math.inf:
             back = self._tmp[:e.size]
-            mags = rot.unrotate_blocks(e, back)
-            E = float(mags.max(initial=0.0))
-            t = largest(back) + rot.rho(E, e.dtype) + math.sqrt(rot.size) * u * E / (1 - u)
-            t /= math.sqrt(rot.size)
+            rot.unrotate_any(e, back)
+            root = math.sqrt(rot.size)
+            t = (largest(back, finite_only=False) + rot.rho(E, e.dtype) + root * u * t) / root
         self._q[id(w)] = t
 
     def adjust(self, w, q, m):

@@ -81,12 +81,11 @@ class Rotation:
         """out = the rotation back of z (accumulation type) into out's type."""
         kernels.unrotate(z, out, self.size, self.seed, KEY, start)
 
-    def unrotate_blocks(self, z, out):
+    def unrotate_any(self, z, out):
         """out = the rotation back of z (accumulation type, z's chunks
         starting at z[0]) with the signs of values 0.. (signs come last:
-        they do not change magnitudes, so any will do); returns z's largest finite magnitude per block."""
-        flags = np.zeros(-(-z.size // self.block), np.uint8)
-        return kernels.unrotate(z, out, self.size, self.seed, KEY, 0, self.block, flags)
+        they do not change magnitudes, so any will do)."""
+        kernels.unrotate(z, out, self.size, self.seed, KEY)
 
     def rho(self, most, dtype):
         """The rounding of one rotation (either way) of values of magnitude

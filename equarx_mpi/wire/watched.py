@@ -46,8 +46,10 @@ class Watched:
 
     def _seen(self, v, w, own):
         d = self._d[:v.size]
+        # into the accumulation type: only Inf or NaN flags a block (no
+        # 16-bit output limit: a later hop still adds such a block)
         skipped = self._fmt.decode(w, d)
-        with np.errstate(invalid="ignore"):     # Inf - Inf: a flagged block, zeroed next
+        with np.errstate(invalid="ignore", over="ignore"):   # flagged blocks: zeroed next
             d -= v
         B = self.block
         for b in skipped:
