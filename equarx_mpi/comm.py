@@ -118,7 +118,7 @@ class QuantizedComm:
         model = costmodel.Model(self.profile, self.layout.nodes, P // self.layout.nodes,
                                 o["wire"], o["block_size"], o["chunks"],
                                 threads=self._comm.allreduce(self.threads, op=MPI.MIN),
-                                rotate=o["rotate"])
+                                rotate=o["rotate"], measured=o["measured_bounds"])
         log = options.logging() if self._comm.Get_rank() == 0 else "none"
         self._choose = policy.Chooser(o, P, self.layout, model,
                                       _tell_lossy if log == "lossy" else None)

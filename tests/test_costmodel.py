@@ -427,3 +427,18 @@ def test_rotation_costs_the_quantized_methods_two_passes():
     assert rot.time("mpi", n, 4) == plain.time("mpi", n, 4)
     crowded = costmodel.Model(prof, 1, 4 * prof["cores"], "int4", 64, rotate=True)
     assert crowded.rotation("ring", n, 4) == pytest.approx(4 * rot.rotation("ring", n, 4))
+
+
+def test_measured_bounds_cost_the_quantized_methods():
+    """option measured_bounds: MEASURE_S a value, and one more rotation pass
+    when rotated, on the quantized methods only, so that auto and
+    lossy_margin decide with it."""
+    prof = profiles.builtin()
+    n = 16 << 20
+    for rotate in (False, True):
+        plain = costmodel.Model(prof, 4, 1, "int8", 256, rotate=rotate)
+        meas = costmodel.Model(prof, 4, 1, "int8", 256, rotate=rotate, measured=True)
+        extra = meas.time("ring", n, 4) - plain.time("ring", n, 4)
+        want = costmodel.MEASURE_S + costmodel.ROTATE_S * rotate
+        assert extra == pytest.approx(want * n / 4), rotate
+        assert meas.time("mpi", n, 4) == plain.time("mpi", n, 4)

@@ -243,6 +243,12 @@ CORRECTED_LIKE = {name: s.corrected_like for name, s in SCHEDULES.items() if s.c
 #: 32-256, AMD EPYC, idle to loaded; not measured by tune): a rotated call
 #: (option rotate) makes two
 ROTATE_S = 2.0e-9
+#: what measured_bounds adds per value a rank quantizes (about one a value of
+#: the call per rank), seconds on one core, rotation back aside (ROTATE_S
+#: more when rotated): the values decoded again, their difference and its
+#: largest magnitude (docs/results/measured-bounds.txt: the int8 ring at
+#: 16 MiB, 4 ranks on 2 cores, took 34 ms more, 4 ns a value a core)
+MEASURE_S = 4.0e-9
 #: Sizes the model is tabulated at: quarter octaves from 256 B to 28 GiB.
 GRID = [(4 + k % 4) << (6 + k // 4) for k in range(4 * 27)]
 
@@ -269,12 +275,16 @@ class Model:
     rank): ``time(method, nbytes, itemsize, dtype_name)``;
     ``error(method)``."""
 
-    def __init__(self, profile, nodes, rpn, wire, block, chunks=None, threads=1, rotate=False):
+    def __init__(self, profile, nodes, rpn, wire, block, chunks=None, threads=1, rotate=False,
+                 measured=False):
         self.profile, self.nodes, self.rpn = profile, nodes, rpn
         self.wire, self.block, self.chunks = wire, block, chunks
         #: option rotate: quantized calls pay two rotation passes ("auto": charged
         #: too, as the call may rotate)
         self.rotate = bool(rotate)
+        #: option measured_bounds: quantized calls pay MEASURE_S a value, and
+        #: rotated one more rotation pass
+        self.measured = bool(measured)
         #: threads beyond the cores of a rank's share of the node gain nothing
         self.threads = max(1, min(threads, profile["cores"] // rpn))
         self._hw, self._wire_bytes, self._ratios, self._tables = {}, {}, {}, {}
@@ -376,12 +386,13 @@ class Model:
         return ts[i] + (nbytes - a) / (b - a) * (ts[i + 1] - ts[i])
 
     def rotation(self, method, nbytes, itemsize):
-        """Seconds a rotated call adds to a quantized method: each rank's
-        rotation and rotation back of its values, one core per rank at most."""
-        if not self.rotate or method not in SCHEDULES:
+        """Seconds rotation and measured bounds add to a quantized method:
+        each rank's passes over its values, one core per rank at most."""
+        if method not in SCHEDULES:
             return 0.0
+        passes = 2 * ROTATE_S * self.rotate + (MEASURE_S + ROTATE_S * self.rotate) * self.measured
         share = max(1.0, self.rpn / self.profile["cores"])     # ranks sharing a core
-        return 2 * ROTATE_S * nbytes / itemsize * share
+        return passes * nbytes / itemsize * share
 
     def error(self, method, rounding="nearest"):
         """Relative L2 error on standard-normal data (module ``error``)."""
