@@ -65,16 +65,28 @@ def test_watched_hops_quantize_what_they_show(wire, dtype):
         proxy.decode_reduce_encode(k_own, w_in, mine, K.OP_SUM, NEAREST)
         assert same(plain, mine), f"{name}: the proxy's hop is the format's"
         v = np.empty(n, acc_dtype(dtype))
-        flagged = fmt.decode_reduce(k_own, w_in, v, K.OP_SUM)
+        # (a format returns a view of its own buffer of skipped blocks)
+        flagged = list(fmt.decode_reduce(k_own, w_in, v, K.OP_SUM))
         d = np.empty(n, v.dtype)
-        skipped = fmt.decode(plain, d)
+        skipped = list(fmt.decode(plain, d))
         kept = np.ones(n, bool)
         for blk in skipped:
             kept[blk * BLOCK:(blk + 1) * BLOCK] = False
         (e, w), = seen
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):     # flagged blocks' leftovers
             want = np.where(kept, d - v, 0)
         assert w is mine and np.array_equal(e, want), f"{name}: D(w) - v shown"
+        # v is own + D(w_in) as the receivers add it (no fused multiply-add,
+        # no other order), and every block it leaves unwritten is flagged
+        d_in = np.empty(n, v.dtype)
+        fmt.decode(w_in, d_in)
+        with np.errstate(invalid="ignore", over="ignore"):
+            sum_ = own.astype(v.dtype) + d_in
+        done = np.ones(n, bool)
+        for blk in flagged:
+            done[blk * BLOCK:(blk + 1) * BLOCK] = False
+        assert np.array_equal(v[done], sum_[done]), f"{name}: decode_reduce = own + D(w)"
+        assert set(flagged) <= set(skipped), f"{name}: v's unwritten blocks are flagged"
         if wire not in formats.ROTATE_WIRES and k_own.dtype != v.dtype:
             continue        # a plain wire of 16-bit input sends that type, not v's
         # the hop quantized v, decode_reduce's sum: v's own type's format

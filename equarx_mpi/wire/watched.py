@@ -7,8 +7,10 @@ Each encode, hop (own + a decoded input, quantized) and two-shot owner's
 reduction is run by the format as always, then the piece is decoded again
 and every watcher gets ``(D(w) - v, own, w)``: the difference in the
 accumulation type, zero in the blocks the format flagged (reduced exactly
-afterwards), ``own`` the view whose start tells where the piece lies, ``w``
-the piece's views (what the bound's Tally reads next).  Every decoded value
+afterwards), ``own`` the call's own view (its start tells where the piece
+lies in the input; rabenseifner's fused hops pass their accumulator), ``w``
+the piece's views (what the bound's Tally reads next, before ``w`` is
+quantized again: the measured bound's hand-off).  Every decoded value
 a rank reads is bit for bit what ``decode`` gives, so the difference is
 what the receivers see.  Everything else (nbytes, views, decode...) is the
 format's own.
