@@ -33,8 +33,8 @@ zero residual then leaves -0.0 as it is.
 
 The losses are measured around the schedule, not in it: a proxy of the
 wire format (``format``, wire/watched.py) decodes what each encode or hop
-produced and compares; the position of a piece is where its ``own`` view starts in the
-input.  Works with the ring and two-shot schedules (Allreduce, op SUM);
+produced and compares; the position of a piece is where its ``own`` view
+starts in the input.  Works with the ring and two-shot schedules (Allreduce, op SUM);
 hierarchical calls raise ValueError.
 """
 from typing import Optional

@@ -49,7 +49,7 @@ class Measured:
         t = E / (1 - u)
         if rot is not None and t < math.inf:
             back = self._tmp[:e.size]
-            rot.unrotate_any(e, back)
+            rot.backward(e, back)     # the signs come last: any will do for magnitudes
             root = math.sqrt(rot.size)
             t = (largest(back, finite_only=False) + rot.rho(E, e.dtype) + root * u * t) / root
         self._q[id(w)] = t

@@ -81,12 +81,6 @@ class Rotation:
         """out = the rotation back of z (accumulation type) into out's type."""
         kernels.unrotate(z, out, self.size, self.seed, KEY, start)
 
-    def unrotate_any(self, z, out):
-        """out = the rotation back of z (accumulation type, z's chunks
-        starting at z[0]) with the signs of values 0.. (signs come last:
-        they do not change magnitudes, so any will do)."""
-        kernels.unrotate(z, out, self.size, self.seed, KEY)
-
     def rho(self, most, dtype):
         """The rounding of one rotation (either way) of values of magnitude
         at most ``most`` (accumulation type of dtype)."""
