@@ -69,6 +69,16 @@ def acc_dtype(kdtype):
     return np.dtype(np.float64) if kdtype == np.float64 else np.dtype(np.float32)
 
 
+def workspace(kept, key, n, dtype):
+    """n values of dtype from the dict ``kept`` under ``key``, grown when
+    too short and kept for the next call (the library's own memory, never
+    a caller's)."""
+    buf = kept.get(key)
+    if buf is None or buf.size < n or buf.dtype != dtype:
+        buf = kept[key] = np.empty(n, dtype)
+    return buf[:n]
+
+
 def dtype_name(dtype):
     """numpy's name, "bfloat16" for ml_dtypes' type (whose numpy name is
     not stable across versions)."""

@@ -22,6 +22,7 @@ from equarx_mpi.names import (
     acc_dtype,
     kernel_view,
     rounding,
+    workspace,
 )
 from equarx_mpi.wire import formats
 from equarx_mpi.wire.threaded import Threaded
@@ -116,7 +117,7 @@ class Engine:
         self._warm = set()
         self._routes = collections.OrderedDict()
         self._ws = np.empty(0, np.uint8)
-        self._tmp = {}
+        self._tmp = {}         # the watched formats' workspaces, by accumulation type
         self.record = None
         #: the error-bounded mode's tolerance.Budget of the next call (its
         #: "mixed" format's), set by QuantizedComm
@@ -316,19 +317,13 @@ class Engine:
             return fmt, None
         # pieces and partial sums (rabenseifner's folds) are at most own's length
         k = 2 + measured
-        tmp = self._scratch(k * own.size, acc_dtype(own.dtype)).reshape(k, own.size)
+        acc = acc_dtype(own.dtype)
+        tmp = workspace(self._tmp, acc.str, k * own.size, acc).reshape(k, own.size)
         m = Measured(self.active if rotated else None, own.dtype, tmp[2]) if measured else None
         watchers = (m,) if measured else ()
         if feedback is not None:
             return feedback.format(fmt, own, out, tmp[:2], watchers), m
         return Watched(fmt, tmp[:2], watchers), m
-
-    def _scratch(self, n, dtype):
-        """n values of dtype for the watched formats (kept for the next call)."""
-        buf = self._tmp.get(dtype.str)
-        if buf is None or buf.size < n:
-            buf = self._tmp[dtype.str] = np.empty(n, dtype)
-        return buf[:n]
 
     def _workspace(self, nbytes):
         if self._ws.size < nbytes:

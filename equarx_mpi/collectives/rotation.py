@@ -30,7 +30,7 @@ import numpy as np
 
 from equarx_mpi.bounds import bound
 from equarx_mpi.kernels import rotate as kernels
-from equarx_mpi.names import acc_dtype, kernel_dtype
+from equarx_mpi.names import acc_dtype, kernel_dtype, workspace
 
 #: rotate="auto" rotates a call whose sampled blocks' largest squares, summed
 #: over the ranks, exceed AUTO_SCORE times what Gaussian blocks of the same
@@ -61,11 +61,7 @@ class Rotation:
         """A workspace of n values of dtype's accumulation type (kept for
         the next call; never the caller's memory)."""
         acc = acc_dtype(dtype)
-        key = (acc.str, which)
-        buf = self._bufs.get(key)
-        if buf is None or buf.size < n:
-            buf = self._bufs[key] = np.empty(n, acc)
-        return buf[:n]
+        return workspace(self._bufs, (acc.str, which), n, acc)
 
     def free(self):
         self._bufs.clear()
