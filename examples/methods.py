@@ -35,6 +35,13 @@ BENCH_NAME = {
     "int8-rot": ("int8-rot", False),         # rotated before quantizing (rotate=True)
     "int4-rot": ("int4-rot", False),
     "int4-rot+ef": ("int4-rot", True),
+    "int4-rot-2s": ("int4-rot-2s", False),   # two-shot, as the torch examples run it
+    "int5-rot": ("int5-rot", False),         # 5 and 6 bits, two-shot
+    "int6-rot": ("int6-rot", False),
+    "int3": ("int3", False),                 # 3 and 2 bits, two-shot: for gradients,
+    "int3+ef": ("int3", True),               # with error feedback
+    "int2": ("int2", False),
+    "int2+ef": ("int2", True),
     "fp8+ef": ("fp8", True),
 }
 METHODS = {name: None if BENCH[bench].options is None else

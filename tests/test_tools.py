@@ -181,7 +181,7 @@ def test_examples_take_their_methods_from_the_bench():
                        dict(want, **({"feedback": True} if feedback else {}))), name
     # spelt differently: int8 (the bench's int8-raw) and the feedback variants
     assert {n for n, (b, _) in ex.BENCH_NAME.items() if n != b} == \
-        {"int8", "int4+ef", "fp8+ef", "int4-rot+ef"}
+        {"int8", "int4+ef", "fp8+ef", "int4-rot+ef", "int3+ef", "int2+ef"}
     assert ex.BENCH_NAME["int8"] == ("int8-raw", False)
 
 

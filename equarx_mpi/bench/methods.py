@@ -81,6 +81,10 @@ METHODS = {
     "int4-rot-2s": Method("int4 two-shot at every size, block 64, rotated (rotate=True)",
                              dict(EVERY, wire="int4", block_size=64, rotate=True,
                                   algorithm="two_shot")),
+    "int5-rot": Method("int5 two-shot at every size, block 64, rotated (rotate=True)",
+                       dict(EVERY, wire="int5", block_size=64, rotate=True, algorithm="two_shot")),
+    "int6-rot": Method("int6 two-shot at every size, block 64, rotated (rotate=True)",
+                       dict(EVERY, wire="int6", block_size=64, rotate=True, algorithm="two_shot")),
     "int3": Method("int3 two-shot at every size, block 64 (its own, whatever --block says)",
                    dict(EVERY, wire="int3", block_size=64, algorithm="two_shot")),
     "int2": Method("int2 (ternary) two-shot at every size, block 64 (its own, whatever "
