@@ -59,8 +59,9 @@ class Runner:
 
     def _rotate(self, c):
         """Whether c travels rotated (option rotate): the engine's ``active``
-        rotation for it.  rotate="auto" decides from the ranks' outlier
-        scores (collectives/rotation.py), one 16-byte Allreduce; never for
+        rotation for it.  rotate="auto" decides from what a sample of the
+        ranks' blocks loses through the wire, as they are and rotated
+        (collectives/rotation.py), one 16-byte Allreduce; never for
         fp8, whose per-value exponent already fits heavy tails (rotated it
         loses: docs/FORMAT.md "Rotation")."""
         e = self.engine
@@ -73,9 +74,9 @@ class Runner:
                 if c.what == "Allgather" and c.send is None:
                     m = own.size // self._size
                     own = own[self._comm.Get_rank() * m:][:m]
-                got = np.array(rotation.outliers(own, self.block_size))
+                got = np.array(e.rotation_errors(own))
                 self._comm.Allreduce(MPI.IN_PLACE, got, MPI.SUM)
-                rot = rot if got[0] > rotation.AUTO_SCORE * got[1] else None
+                rot = rot if got[0] > rotation.AUTO_GAIN * got[1] else None
         e.active = rot
 
     def _run(self, c, e_own=0.0):

@@ -359,6 +359,42 @@ def test_auto_rotates_where_outliers_are(wire):
     everywhere(same_everywhere(got), "identical on every rank")
 
 
+@pytest.mark.parametrize("case", ["channels", "nan", "spikes"])
+def test_auto_decides_by_what_rotating_buys(case):
+    """rotate="auto" through the call (the review's cases): outlier channels
+    at any place in a row rotate int8; a NaN on one rank does not switch
+    the rotation off for the finite blocks (int8 and int4 both gain on
+    them); a spike in every block rotates int8 but not int4, which it would
+    make worse."""
+    P, r = WORLD.Get_size(), WORLD.Get_rank()
+    rng = np.random.default_rng(30 + r)
+    if case == "channels":
+        x = rng.standard_normal((256, 1024)).astype(np.float32)
+        x[:, [300, 700]] *= 100
+        x = x.reshape(-1)
+    elif case == "nan":
+        x = heavy(1 << 16, r)
+        if r == P - 1:
+            x[0] = np.nan
+    else:
+        x = rng.standard_normal(1 << 16).astype(np.float32)
+        x[::61] *= 300
+    got = {}
+    # (int4's blocks of 64 meet a channel in 2 of 16: it gains only ~1.25x there)
+    for wire in ("int8",) if case == "channels" else ("int8", "int4"):
+        with QuantizedComm(WORLD, **opts(wire=wire, rotate="auto")) as qc:
+            out = np.empty_like(x)
+            qc.Allreduce(x, out)
+            got[wire] = qc.last_call.rotation, qc.block_size
+        everywhere(same_everywhere(out), f"{wire}: identical on every rank")
+    if P == 1:
+        everywhere(got["int8"][0] == 0, "one rank: a copy")
+        return
+    want = {"int8": True, "int4": case == "nan"}
+    for wire, (rot, B) in got.items():
+        everywhere(rot == (B if want[wire] else 0), f"{case} {wire}: rotation {rot}")
+
+
 def test_hierarchical_rotates():
     """The step between nodes rotates (run under EQUARX_MPI_FAKE_NODES by
     run_tests.sh; on one node the hierarchical method is the ring)."""

@@ -318,18 +318,47 @@ def test_rotate_option_values_and_environment(monkeypatch):
         assert options.resolve({})["rotate"] is False
 
 
-def test_auto_score_separates_outliers_from_gaussian_blocks():
-    """rotation.outliers: Gaussian blocks score below 1 (about 0.8), blocks
-    with outlier channels above AUTO_SCORE; zeros and non-finite values
-    never rotate."""
+def test_auto_estimate_measures_what_rotating_buys():
+    """rotation.errors, auto's evidence: one quantization's squared error
+    of a sample, as it is and rotated.  Gaussian blocks: about equal (no
+    rotation); outlier channels: int8 loses far more as it is, wherever the
+    channels lie in a row (no sampling stride aliases them); a spike in every
+    block: int8 gains, int4 and int3 lose (their small values round to zero
+    as they are, rotated each carries the spike's step); zeros, NaN and Inf
+    blocks never make it rotate, nor hide the finite blocks."""
     from equarx_mpi.collectives import rotation
+    from equarx_mpi.wire import formats
     rng = np.random.default_rng(5)
+    f32 = np.dtype(np.float32)
+
+    def gain(x, wire, block=None):
+        block = block or formats.default_block(wire)
+        rot = rotation.Rotation(block, 7, block)
+        e0, e1 = rotation.errors(x, formats.make_format(wire, block, f32), rot)
+        return e0 / e1 if e1 else 0.0
     g = rng.standard_normal(1 << 16).astype(np.float32)
+    for wire in ("int8", "int4", "int3"):
+        assert 0.8 < gain(g, wire) < 1.25, wire
     h = rng.standard_t(3, 1 << 16).astype(np.float32)
     h[::97] *= 40
-    for x, low, high in ((g, 0.6, 1.0), (h, rotation.AUTO_SCORE, np.inf)):
-        top, energy = rotation.outliers(x, 256)
-        assert low < top / energy < high, top / energy
+    assert gain(h, "int8") > 10 * rotation.AUTO_GAIN
+    # 1024 tokens x 1024 channels, two channels 100x: a stride of 32 blocks
+    # of 256 would only ever see channels 0-255
+    t = rng.standard_normal((1024, 1024)).astype(np.float32)
+    t[:, [300, 700]] *= 100
+    assert gain(t.reshape(-1), "int8") > 10 * rotation.AUTO_GAIN
+    s = rng.standard_normal(1 << 16).astype(np.float32)
+    s[::61] *= 300
+    assert gain(s, "int8") > rotation.AUTO_GAIN
+    assert gain(s, "int4") < 1 and gain(s, "int3") < 1
     for x in (np.zeros(4096, np.float32), np.full(4096, np.nan, np.float32)):
-        top, energy = rotation.outliers(x, 256)
-        assert not top > rotation.AUTO_SCORE * energy
+        assert gain(x, "int8") == 0.0
+    h[0], h[300] = np.nan, np.inf
+    assert gain(h, "int8") > 10 * rotation.AUTO_GAIN
+
+
+def test_numpy_integer_sizes_become_ints():
+    from equarx_mpi.call import options
+    o = options.resolve(dict(rotate=np.int64(32), block_size=np.int32(64), chunks=np.int64(2)))
+    assert (o["rotate"], o["block_size"], o["chunks"]) == (32, 64, 2)
+    assert all(type(o[k]) is int for k in ("rotate", "block_size", "chunks"))

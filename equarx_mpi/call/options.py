@@ -150,6 +150,12 @@ def resolve(given):
     opts["seed"] = int(opts["seed"])
     if isinstance(opts["rotate"], np.bool_):
         opts["rotate"] = bool(opts["rotate"])
+    # numpy integers pass check() as the sizes they are; the rest of the
+    # library does arithmetic with Python's (int.bit_length, no overflow)
+    for k in ("block_size", "rotate", "chunks", "threads", "min_quantized_bytes",
+              "max_message_bytes"):
+        if isinstance(opts[k], np.integer):
+            opts[k] = int(opts[k])
     opts["lossy_margin"] = float(opts["lossy_margin"])
     return opts
 

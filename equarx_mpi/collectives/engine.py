@@ -17,6 +17,7 @@ from equarx_mpi.collectives.pieces import fail
 from equarx_mpi.collectives.registry import SCHEDULES
 from equarx_mpi.names import (
     KERNEL_OP,
+    ROUND_NEAREST,
     ROUND_STOCHASTIC,
     ROUNDING,
     acc_dtype,
@@ -136,6 +137,13 @@ class Engine:
         self._tmp.clear()
         if self.rotation is not None:
             self.rotation.free()
+
+    def rotation_errors(self, x):
+        """rotate="auto"'s evidence on x (a rank's input): rotation.errors
+        through the wire's format for x's accumulation type."""
+        acc = np.dtype(acc_dtype(x.dtype))
+        fmt = self._format(acc, None, "allreduce", ROUND_NEAREST, True)
+        return rotation.errors(x, fmt, self.rotation)
 
     def rotates(self, name):
         """Whether a call of op ``name`` runs rotated."""

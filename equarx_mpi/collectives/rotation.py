@@ -30,14 +30,19 @@ import numpy as np
 
 from equarx_mpi.bounds import bound
 from equarx_mpi.kernels import rotate as kernels
-from equarx_mpi.names import acc_dtype, kernel_dtype, workspace
+from equarx_mpi.names import ROUND_NEAREST, acc_dtype, kernel_dtype, workspace
 
-#: rotate="auto" rotates a call whose sampled blocks' largest squares, summed
-#: over the ranks, exceed AUTO_SCORE times what Gaussian blocks of the same
-#: energy reach (2 ln B times their mean square; Gaussian blocks of 256 score
-#: about 0.8): rotated, the L2 error then drops about sqrt(score / 0.8)-fold
-AUTO_SCORE = 2.0
-#: values per rank the score samples (whole blocks, evenly spread)
+#: rotate="auto" rotates a call where, on a sample of whole blocks, one
+#: quantization through the call's wire loses at least AUTO_GAIN times the
+#: squared error as the values are than rotated (summed over the ranks):
+#: the L2 error then drops at least sqrt(2)-fold, which pays for the two
+#: passes.  Measured, not modelled: a low-bit wire can lose more rotated
+#: (a block whose one spike dominates it: its small values round to zero
+#: as they are, rotated every value carries the spike's step)
+AUTO_GAIN = 2.0
+#: values per rank the estimate samples (whole blocks, one from each of
+#: evenly spaced strata, at a random place in it: no stride that a layout
+#: of channels could alias)
 SAMPLE = 1 << 15
 #: the sign pattern's key: one rotation per seed (every call and piece is
 #: told apart by the values' indices, which the signs depend on)
@@ -112,16 +117,36 @@ class Rotation:
             return self._root * e + rho + uc * back + etac
 
 
-def outliers(x, block):
-    """This rank's (sum of the sampled blocks' largest squares, 2 ln(block)
-    / block times the sum of their squares): auto's score, summed over the
-    ranks, is their ratio.  About SAMPLE values: a small fraction of a call
-    large enough to travel quantized."""
-    rows = x[:x.size // block * block].reshape(-1, block)
-    v = rows[::max(1, rows.size // SAMPLE)].astype(np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):   # Inf or NaN: no rotation
-        m = np.abs(v).max(axis=1, initial=0.0)
-        return float(m @ m), float(np.vdot(v, v)) * 2 * math.log(block) / block
+def errors(x, fmt, rot):
+    """This rank's (squared error, squared error rotated) of one
+    quantization to nearest through ``fmt`` (the wire's format for x's
+    accumulation type) of about SAMPLE values of x in whole blocks; blocks
+    holding Inf or NaN left out (they go the exact way either way).  Both
+    errors are in the rotated values' own terms: the rotation is
+    orthogonal, so rotated back they are the same."""
+    block = rot.block
+    nb = x.size // block
+    k = min(nb, max(1, SAMPLE // block))
+    if k == 0:
+        return 0.0, 0.0
+    starts = np.arange(k) * nb // k
+    widths = np.diff(np.append(starts, nb))
+    pick = starts + np.random.default_rng(k).integers(0, widths)
+    rows = x[:nb * block].reshape(nb, block)[pick].astype(acc_dtype(x.dtype))
+    with np.errstate(invalid="ignore"):
+        v = rows[np.isfinite(rows).all(axis=1)].reshape(-1)
+    w = fmt.views(np.empty(fmt.nbytes(v.size), np.uint8), v.size)
+    out = np.empty_like(v)
+
+    def lost(a):
+        fmt.encode(a, w, ROUND_NEAREST)
+        out[...] = a                # blocks the decode skips (overflow): no error
+        fmt.decode(w, out)
+        d = out.astype(np.float64) - a
+        return float(d @ d)
+    y = np.empty_like(v)
+    kernels.rotate(v, y, rot.size, rot.seed, KEY)
+    return lost(v), lost(y)
 
 
 def warm(acc):
