@@ -89,6 +89,12 @@ def test_start_is_the_index_of_the_first_value():
     assert same(rot(x[192:], 64, start=192), whole[192:])
     assert same(unrot(whole[192:], 64, np.float32, start=192), unrot(whole, 64, np.float32)[192:])
     assert not same(rot(x[192:], 64), whole[192:])
+    # starts off a 64-value sign word: the signs of a chunk come from two words
+    for size, start in ((32, 32), (8, 200), (64, 96), (256, 4072)):
+        y = rot(x, size, start=start)
+        assert same(y, ref.rotate(x, size, 1, 2, start)), (size, start)
+        assert same(unrot(y, size, np.float32, start=start),
+                    ref.unrotate(y, size, 1, 2, start, dtype=np.float32)), (size, start)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

@@ -215,8 +215,11 @@ def _unsign_impl(work, at, out, lo, m, stream, g0):
         if m < 8:
             _signs(work, at, out, lo, m, stream, g0)
             return
-        for i in range(0, m, 8):
-            flip8(work, _U(at + i), out, _U(lo + i), _bits8(stream, g0 + _U(i)))
+        for i in range(0, m, 64):       # one hash per 64 values, not per 8
+            bits = _bits64(stream, g0 + _U(i))
+            for j in range(i, min(m, i + 64), 8):
+                flip8(work, _U(at + j), out, _U(lo + j), np.uint32(bits & _U(0xFF)))
+                bits >>= _U(8)
     return vector
 
 
