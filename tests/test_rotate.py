@@ -5,6 +5,7 @@ rotation buys on a real wire format.
 Serial: python -m pytest -q tests/test_rotate.py
 """
 import json
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -361,6 +362,12 @@ def test_auto_estimate_measures_what_rotating_buys():
         assert gain(x, "int8") == 0.0
     h[0], h[300] = np.nan, np.inf
     assert gain(h, "int8") > 10 * rotation.AUTO_GAIN
+    # finite values that rotated overflow float32: never rotated, no warning
+    big = g * np.float32(3e37)
+    big[::97] = np.float32(3.3e38)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not gain(big, "int8") > rotation.AUTO_GAIN
 
 
 def test_numpy_integer_sizes_become_ints():

@@ -142,8 +142,10 @@ def errors(x, fmt, rot):
         fmt.encode(a, w, ROUND_NEAREST)
         out[...] = a                # blocks the decode skips (overflow): no error
         fmt.decode(w, out)
-        d = out.astype(np.float64) - a
-        return float(d @ d)
+        # values rotated past the type's range (Inf): NaN, which never rotates
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = out.astype(np.float64) - a
+            return float(d @ d)
     y = np.empty_like(v)
     kernels.rotate(v, y, rot.size, rot.seed, KEY)
     return lost(v), lost(y)
