@@ -147,12 +147,11 @@ def resolve(given):
     opts["lossy_ops"] = tuple(sorted(set(o.lower() if isinstance(o, str) else o
                                          for o in opts["lossy_ops"])))
     check(opts)
-    opts["seed"] = int(opts["seed"])
     if isinstance(opts["rotate"], np.bool_):
         opts["rotate"] = bool(opts["rotate"])
     # numpy integers pass check() as the sizes they are; the rest of the
     # library does arithmetic with Python's (int.bit_length, no overflow)
-    for k in ("block_size", "rotate", "chunks", "threads", "min_quantized_bytes",
+    for k in ("seed", "block_size", "rotate", "chunks", "threads", "min_quantized_bytes",
               "max_message_bytes"):
         if isinstance(opts[k], np.integer):
             opts[k] = int(opts[k])

@@ -142,7 +142,7 @@ class Engine:
         """rotate="auto"'s evidence on x (a rank's input): rotation.errors
         through the wire's format for x's accumulation type."""
         acc = np.dtype(acc_dtype(x.dtype))
-        fmt = self._format(acc, None, "allreduce", ROUND_NEAREST, True)
+        fmt = self._format(acc, None, "allreduce", ROUND_NEAREST, False)
         return rotation.errors(x, fmt, self.rotation)
 
     def rotates(self, name):

@@ -133,8 +133,7 @@ def errors(x, fmt, rot):
     widths = np.diff(np.append(starts, nb))
     pick = starts + np.random.default_rng(k).integers(0, widths)
     rows = x[:nb * block].reshape(nb, block)[pick].astype(acc_dtype(x.dtype))
-    with np.errstate(invalid="ignore"):
-        v = rows[np.isfinite(rows).all(axis=1)].reshape(-1)
+    v = rows[np.isfinite(rows).all(axis=1)].reshape(-1)
     w = fmt.views(np.empty(fmt.nbytes(v.size), np.uint8), v.size)
     out = np.empty_like(v)
 
